@@ -1,0 +1,1 @@
+"""vLLM integration: the only package that imports vLLM internals."""
