@@ -1,0 +1,326 @@
+"""Optimal draft trees from per-position draft distributions (DDTree, Algorithm 1).
+
+Vocabulary (used everywhere in this project):
+
+- **root**: the bonus token of the previous step, already chosen by the target. It is query
+  row 0 of a request's verify block and row/column 0 of the ancestor mask.
+- **node**: one of the B draft tokens of a request's tree (B = budget). Node k (0-based) is
+  query row k + 1 and mask row/column k + 1.
+- **parent**: the node index of a node's parent; -1 means the root.
+- **depth**: 1..L for nodes (L = drafter block_size - 1), 0 for the root. A node's position is
+  ``context_len + depth``: siblings share a position.
+- **accepted path**: the nodes the verifier accepts, root excluded, in depth order.
+- **bonus token**: the target's sample at the deepest accepted node (or at the root).
+
+A DFlash drafter gives one distribution q_d per depth d, independent of the parent, so the
+probability of a prefix y_1..y_d is prod_i q_i(y_i) and the tree with at most B nodes that
+maximises the expected accepted length is the set of the B most probable prefixes (DDTree,
+Prop. 2). :func:`build_tree` computes that set for a whole batch on the logits' device with
+fixed shapes and no host synchronisation; :func:`reference_build_tree` is the plain best-first
+heap of Algorithm 1, used as the oracle in tests and as the baseline in benchmarks.
+
+Order and tie-break (both implementations): nodes are sorted by the key
+``(-score, depth, index of the parent, rank of the token at its depth)``, where the rank orders a
+depth's tokens by descending log-probability, then ascending token id. A parent always precedes
+its children, so ``parents[k] < k``. Prefixes of probability zero are never nodes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+__all__ = [
+    "DraftTree",
+    "build_tree",
+    "reference_build_tree",
+    "pack_mask",
+    "unpack_mask",
+]
+
+PADDING_TOKEN_ID = -1  # token of a padding node: never equals a sampled token
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A batch of draft trees, padded to ``max_budget`` nodes (B) per request.
+
+    Padding nodes (index >= ``num_nodes[r]``) have token -1, parent -1, depth 0, score -inf and
+    a mask row holding only the root and themselves, so they are harmless to attention and are
+    never accepted.
+    """
+
+    token_ids: torch.Tensor  # [batch, B] int64, -1 for padding
+    parents: torch.Tensor  # [batch, B] int64, -1 = root (and padding)
+    depths: torch.Tensor  # [batch, B] int64, 1..L, 0 for padding
+    scores: torch.Tensor  # [batch, B] float32, log q of the prefix, -inf for padding
+    num_nodes: torch.Tensor  # [batch] int64
+    ancestor_mask: torch.Tensor  # [batch, B + 1, ceil((B + 1) / 32)] int32, packed bits
+
+    @property
+    def max_budget(self) -> int:
+        return self.token_ids.shape[1]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``[batch, B]`` bool: True for real nodes."""
+        return self.depths > 0
+
+    def dense_mask(self) -> torch.Tensor:
+        """``[batch, B + 1, B + 1]`` bool: ``[r, i, j]`` is True iff j is i or its ancestor."""
+        return unpack_mask(self.ancestor_mask, self.max_budget + 1)
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Pack a bool ``[..., n, n]`` mask into int32 words ``[..., n, ceil(n / 32)]``.
+
+    Bit ``j % 32`` of word ``j // 32`` of row i holds ``mask[..., i, j]``. Example: a row
+    ``[True, False, True]`` packs to the word ``0b101 = 5``.
+    """
+    n = mask.shape[-1]
+    num_words = (n + 31) // 32
+    padded = torch.zeros(*mask.shape[:-1], num_words * 32, dtype=torch.int64, device=mask.device)
+    padded[..., :n] = mask.to(torch.int64)
+    weights = torch.ones(32, dtype=torch.int64, device=mask.device) << torch.arange(
+        32, device=mask.device
+    )
+    words = (padded.view(*mask.shape[:-1], num_words, 32) * weights).sum(-1)
+    # Bit 31 makes the word negative as an int32: wrap the int64 value.
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.to(torch.int32)
+
+
+def unpack_mask(words: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_mask`: int32 ``[..., rows, W]`` -> bool ``[..., rows, n]``."""
+    bits = torch.arange(32, device=words.device, dtype=torch.int32)
+    unpacked = (words.unsqueeze(-1) >> bits) & 1  # arithmetic shift; & 1 keeps the bit
+    return unpacked.flatten(-2)[..., :n].bool()
+
+
+def _ranked_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` log-probabilities per depth in rank order (value desc, then token id asc).
+
+    Returns ``(values [batch, L, k] float32, token_ids [batch, L, k] int64)``.
+    """
+    log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
+    values, token_ids = torch.topk(log_probs, k, dim=-1)
+    # topk may order equal values arbitrarily: re-sort by (value desc, token id asc) with a
+    # stable sort over the id-sorted list.
+    token_ids, by_id = token_ids.sort(dim=-1)
+    values = values.gather(-1, by_id)
+    values, order = values.sort(dim=-1, descending=True, stable=True)
+    return values, token_ids.gather(-1, order)
+
+
+@lru_cache(maxsize=64)
+def _candidate_pairs(budget: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs (i, j) that can extend prefix i with the rank-j token inside a top-``budget`` list.
+
+    Both lists are sorted, so pair (i, j) is beaten by the (i + 1) * (j + 1) - 1 pairs
+    (i' <= i, j' <= j); it can only be in the top ``budget`` if (i + 1) * (j + 1) <= budget.
+    Pairs are in lexicographic (i, j) order, which a stable sort turns into the tie-break.
+    Example: budget 4, k 4 -> i 0: j 0..3; i 1: j 0..1; i 2: j 0; i 3: j 0 (8 pairs).
+    """
+    rows, cols = [], []
+    for i in range(budget):
+        width = min(k, budget // (i + 1))
+        rows.extend([i] * width)
+        cols.extend(range(width))
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(cols, dtype=torch.int64, device=device),
+    )
+
+
+def build_tree(
+    draft_logits: torch.Tensor,
+    budget: int | torch.Tensor,
+    max_budget: int | None = None,
+) -> DraftTree:
+    """The top-B prefixes of every request's factorised draft distribution, as a tree.
+
+    Args:
+        draft_logits: ``[batch, L, vocab]`` logits of the L drafted positions (any float dtype).
+        budget: the number of nodes B (int), or a ``[batch]`` integer tensor of per-request
+            budgets, each at most ``max_budget``.
+        max_budget: the padded width B of the outputs; required with a tensor ``budget``,
+            defaults to ``budget`` when it is an int.
+
+    Returns:
+        A :class:`DraftTree` on ``draft_logits.device`` with ``[batch, max_budget]`` fields.
+
+    Everything runs on the logits' device with shapes that depend only on ``(batch, L, vocab,
+    max_budget)``: no host synchronisation, so the call can be captured in a CUDA graph.
+
+    Example (L = 2, one request, budget 3): per-depth probabilities q_1 = {a: .6, b: .4},
+    q_2 = {c: .9, d: .1} give prefixes a (.6), b (.4), ac (.54), bc (.36), ad (.06), ...;
+    the top 3 are a, ac, b, so ``token_ids = [a, c, b]``, ``parents = [-1, 0, -1]``,
+    ``depths = [1, 2, 1]``.
+    """
+    if draft_logits.dim() != 3:
+        raise ValueError(
+            f"draft_logits.shape={tuple(draft_logits.shape)}, expected [batch, depth, vocab]"
+        )
+    if not draft_logits.is_floating_point():
+        raise ValueError(f"draft_logits.dtype={draft_logits.dtype}, expected a float dtype")
+    batch, depth, vocab = draft_logits.shape
+    device = draft_logits.device
+    if isinstance(budget, torch.Tensor):
+        if max_budget is None:
+            raise ValueError("a tensor budget needs max_budget (the padded width of the tree)")
+        if budget.shape != (batch,):
+            raise ValueError(f"budget.shape={tuple(budget.shape)}, expected ({batch},)")
+        if budget.is_floating_point():
+            raise ValueError(f"budget.dtype={budget.dtype}, expected an integer dtype")
+        per_request = budget.to(device=device, dtype=torch.int64).clamp(0, max_budget)
+    else:
+        if max_budget is None:
+            max_budget = int(budget)
+        if not 0 <= int(budget) <= max_budget:
+            raise ValueError(f"budget={budget} must be in [0, max_budget={max_budget}]")
+        per_request = torch.full((batch,), int(budget), dtype=torch.int64, device=device)
+    if max_budget < 1:
+        raise ValueError(f"max_budget={max_budget} must be >= 1")
+    if depth < 1:
+        raise ValueError(f"draft_logits has depth {depth}; a tree needs at least 1 position")
+    num_slots = max_budget
+    k = min(num_slots, vocab)
+
+    top_values, top_ids = _ranked_log_probs(draft_logits, k)  # [batch, L, k] each
+    neg_inf = torch.tensor(float("-inf"), device=device)
+
+    # Per-depth top-B lists, each sorted by (-score, parent position, rank).
+    level_scores = []  # L x [batch, B] float32
+    level_parent = []  # L x [batch, B] int64: position in the previous depth's list
+    level_tokens = []  # L x [batch, B] int64
+    scores = torch.full((batch, num_slots), float("-inf"), device=device)
+    scores[:, :k] = top_values[:, 0]
+    level_scores.append(scores)
+    level_parent.append(torch.full((batch, num_slots), -1, dtype=torch.int64, device=device))
+    tokens = torch.full((batch, num_slots), PADDING_TOKEN_ID, dtype=torch.int64, device=device)
+    tokens[:, :k] = top_ids[:, 0]
+    level_tokens.append(tokens)
+    pair_i, pair_j = _candidate_pairs(num_slots, k, device)
+    for d in range(1, depth):
+        cand = scores[:, pair_i] + top_values[:, d, pair_j]  # [batch, num_pairs]
+        cand = torch.where(cand.isnan(), neg_inf, cand)
+        cand, order = cand.sort(dim=-1, descending=True, stable=True)
+        keep = order[:, :num_slots]
+        if keep.shape[1] < num_slots:  # fewer pairs than slots (tiny vocab)
+            pad = num_slots - keep.shape[1]
+            cand = torch.cat([cand, cand.new_full((batch, pad), float("-inf"))], dim=1)
+            keep = torch.cat([keep, keep.new_zeros((batch, pad))], dim=1)
+        scores = cand[:, :num_slots]
+        level_scores.append(scores)
+        level_parent.append(pair_i[keep])
+        level_tokens.append(top_ids[:, d].gather(1, pair_j[keep]))
+
+    # Global order: stable sort of the depth-major concatenation by score gives the key
+    # (-score, depth, position within the depth's list).
+    all_scores = torch.stack(level_scores, dim=1).view(batch, depth * num_slots)
+    all_scores, global_order = all_scores.sort(dim=-1, descending=True, stable=True)
+    chosen = global_order[:, :num_slots]  # [batch, B] flat (depth, position) index
+    node_scores = all_scores[:, :num_slots]
+    node_depths = chosen // num_slots + 1
+    node_tokens = torch.stack(level_tokens, dim=1).view(batch, -1).gather(1, chosen)
+    parent_pos = torch.stack(level_parent, dim=1).view(batch, -1).gather(1, chosen)
+
+    # Node index of each (depth, position) entry, to turn parent positions into node indices.
+    node_of_entry = torch.full((batch, depth * num_slots), -1, dtype=torch.int64, device=device)
+    node_index = torch.arange(num_slots, device=device).expand(batch, num_slots)
+    node_of_entry.scatter_(1, chosen, node_index)
+    parent_entry = ((node_depths - 2) * num_slots + parent_pos).clamp(min=0)
+    node_parents = torch.where(node_depths > 1, node_of_entry.gather(1, parent_entry), -1)
+
+    num_finite = torch.isfinite(node_scores).sum(dim=1)
+    num_nodes = torch.minimum(per_request, num_finite)
+    valid = node_index < num_nodes[:, None]
+    node_tokens = torch.where(valid, node_tokens, PADDING_TOKEN_ID)
+    node_parents = torch.where(valid, node_parents, -1)
+    node_depths = torch.where(valid, node_depths, 0)
+    node_scores = torch.where(valid, node_scores, neg_inf)
+
+    mask = _ancestor_mask(node_parents, depth)
+    return DraftTree(
+        token_ids=node_tokens,
+        parents=node_parents,
+        depths=node_depths,
+        scores=node_scores,
+        num_nodes=num_nodes,
+        ancestor_mask=mask,
+    )
+
+
+def _ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """Packed ancestor rows: row(node) = row(parent) | self; the root row is bit 0 only.
+
+    Depth d rows are final after d rounds, so ``max_depth`` rounds of one gather suffice.
+    """
+    batch, num_nodes = parents.shape
+    device = parents.device
+    num_rows = num_nodes + 1
+    num_words = (num_rows + 31) // 32
+    rows = torch.arange(num_rows, device=device)
+    self_bits = torch.zeros(num_rows, num_words, dtype=torch.int32, device=device)
+    one = torch.ones(num_rows, dtype=torch.int32, device=device)
+    self_bits[rows, rows // 32] = torch.bitwise_left_shift(one, (rows % 32).to(torch.int32))
+    self_bits = self_bits.expand(batch, num_rows, num_words)
+    root_bit = self_bits[:, :1]  # [batch, 1, W]
+    # Padding nodes hang off the root: parent -1 -> row 0.
+    parent_rows = (parents + 1).clamp(min=0)[:, :, None].expand(batch, num_nodes, num_words)
+    mask = torch.cat([root_bit, self_bits[:, 1:] | root_bit], dim=1)
+    for _ in range(max(max_depth - 1, 0)):
+        inherited = mask.gather(1, parent_rows)
+        mask = torch.cat([root_bit, self_bits[:, 1:] | inherited], dim=1)
+    return mask.contiguous()
+
+
+def reference_build_tree(draft_logits: torch.Tensor, budget: int) -> list[dict]:
+    """DDTree Algorithm 1 with a plain binary heap, one request at a time, on the host.
+
+    Like the official implementation, the top-K log-probabilities are taken on the logits'
+    device and copied to the host; the heap then pops B prefixes best-first. Each heap entry
+    is ``(key, depth, rank, parent node, score)`` with the module's tie-break key.
+
+    Returns one dict per request with lists ``token_ids``, ``parents``, ``depths``, ``scores``
+    (Python floats from float32 sums, so they compare exactly with :func:`build_tree`).
+    """
+    if draft_logits.dim() != 3:
+        raise ValueError(
+            f"draft_logits.shape={tuple(draft_logits.shape)}, expected [batch, depth, vocab]"
+        )
+    batch, depth, vocab = draft_logits.shape
+    k = min(budget, vocab)
+    values, ids = _ranked_log_probs(draft_logits, k)
+    values, ids = values.cpu(), ids.cpu()  # the device-to-host copy the heap needs
+    trees = []
+    for r in range(batch):
+        lp = values[r]
+        tok = ids[r]
+        out = {"token_ids": [], "parents": [], "depths": [], "scores": []}
+        # Scores are float32 sums computed exactly like the batched code: parent + lp.
+        first = float(lp[0, 0])
+        heap = [((-first, 1, -1, 0), 1, 0, -1, lp[0, 0])] if budget > 0 else []
+        while heap and len(out["token_ids"]) < budget:
+            _, d, rank, parent, score = heapq.heappop(heap)
+            if math.isinf(float(score)):
+                break  # every remaining prefix has probability zero
+            node = len(out["token_ids"])
+            out["token_ids"].append(int(tok[d - 1, rank]))
+            out["parents"].append(parent)
+            out["depths"].append(d)
+            out["scores"].append(float(score))
+            if rank + 1 < k:  # next sibling: same parent, next rank
+                s = lp[d - 1, rank + 1]
+                if parent >= 0:
+                    s = torch.tensor(out["scores"][parent], dtype=torch.float32) + s
+                heapq.heappush(heap, ((-float(s), d, parent, rank + 1), d, rank + 1, parent, s))
+            if d < depth:  # first child
+                s = score + lp[d, 0]
+                heapq.heappush(heap, ((-float(s), d + 1, node, 0), d + 1, 0, node, s))
+        trees.append(out)
+    return trees
