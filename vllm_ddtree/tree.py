@@ -36,7 +36,10 @@ import torch
 
 __all__ = [
     "DraftTree",
+    "TreeVerdict",
     "build_tree",
+    "verify_tree",
+    "walk",
     "reference_build_tree",
     "pack_mask",
     "unpack_mask",
@@ -60,6 +63,7 @@ class DraftTree:
     scores: torch.Tensor  # [batch, B] float32, log q of the prefix, -inf for padding
     num_nodes: torch.Tensor  # [batch] int64
     ancestor_mask: torch.Tensor  # [batch, B + 1, ceil((B + 1) / 32)] int32, packed bits
+    max_depth: int  # L, the drafter's depth: no node is deeper
 
     @property
     def max_budget(self) -> int:
@@ -252,6 +256,7 @@ def build_tree(
         scores=node_scores,
         num_nodes=num_nodes,
         ancestor_mask=mask,
+        max_depth=depth,
     )
 
 
@@ -324,3 +329,7 @@ def reference_build_tree(draft_logits: torch.Tensor, budget: int) -> list[dict]:
                 heapq.heappush(heap, ((-float(s), d + 1, node, 0), d + 1, 0, node, s))
         trees.append(out)
     return trees
+
+
+# The walk lives in its own module; re-exported here so the tree API is one import.
+from vllm_ddtree.walk import TreeVerdict, verify_tree, walk  # noqa: E402
