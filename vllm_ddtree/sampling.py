@@ -71,7 +71,8 @@ def _check_logits(logits: torch.Tensor, sampling: SamplingBatch) -> None:
 
 
 def processed_logits(logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
-    """The logits vLLM's sampler draws from: ``[batch, n, vocab]`` -> float32, same shape.
+    """The logits vLLM's sampler draws from: ``[batch, n, vocab]`` -> float32 (float64 stays
+    float64), same shape.
 
     Temperature (greedy rows use 1), then top-k (keeps every logit >= the k-th largest, ties
     included), then top-p on what is left (drops the smallest tokens whose cumulative
@@ -80,7 +81,8 @@ def processed_logits(logits: torch.Tensor, sampling: SamplingBatch) -> torch.Ten
     _check_logits(logits, sampling)
     batch, n, vocab = logits.shape
     temperature = torch.where(sampling.is_greedy, 1.0, sampling.temperature.float())
-    out = logits.float() / temperature[:, None, None]
+    out = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    out = out / temperature[:, None, None].to(out.dtype)
     if sampling.top_k is None and sampling.top_p is None:
         return out
     flat = out.reshape(batch * n, vocab)
@@ -91,7 +93,7 @@ def processed_logits(logits: torch.Tensor, sampling: SamplingBatch) -> torch.Ten
         kth = sorted_logits.gather(1, (vocab - k)[:, None])
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if sampling.top_p is not None:
-        p = sampling.top_p.float().repeat_interleave(n)
+        p = sampling.top_p.to(out.dtype).repeat_interleave(n)
         cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop = cum <= 1 - p[:, None]
         drop[:, -1] = False  # at least one token
@@ -105,7 +107,8 @@ def target_probs_from_logits(logits: torch.Tensor, sampling: SamplingBatch | Non
 
     Greedy rows (and ``sampling=None``) get a one-hot at the argmax of the raw logits.
     """
-    greedy = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    greedy = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(dtype)
     if sampling is None:
         return greedy
     probs = processed_logits(logits, sampling).softmax(dim=-1)

@@ -195,7 +195,6 @@ def build_tree(
     k = min(num_slots, vocab)
 
     top_values, top_ids = _ranked_log_probs(draft_logits, k)  # [batch, L, k] each
-    neg_inf = torch.tensor(float("-inf"), device=device)
 
     # Per-depth top-B lists, each sorted by (-score, parent position, rank).
     level_scores = []  # L x [batch, B] float32
@@ -211,7 +210,6 @@ def build_tree(
     pair_i, pair_j = _candidate_pairs(num_slots, k, device)
     for d in range(1, depth):
         cand = scores[:, pair_i] + top_values[:, d, pair_j]  # [batch, num_pairs]
-        cand = torch.where(cand.isnan(), neg_inf, cand)
         cand, order = cand.sort(dim=-1, descending=True, stable=True)
         keep = order[:, :num_slots]
         if keep.shape[1] < num_slots:  # fewer pairs than slots (tiny vocab)
@@ -246,7 +244,7 @@ def build_tree(
     node_tokens = torch.where(valid, node_tokens, PADDING_TOKEN_ID)
     node_parents = torch.where(valid, node_parents, -1)
     node_depths = torch.where(valid, node_depths, 0)
-    node_scores = torch.where(valid, node_scores, neg_inf)
+    node_scores = node_scores.masked_fill(~valid, float("-inf"))
 
     mask = _ancestor_mask(node_parents, depth)
     return DraftTree(

@@ -1,0 +1,193 @@
+"""build_tree: optimality against brute-force enumeration and equality with the heap reference."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from vllm_ddtree.tree import DraftTree, build_tree, pack_mask, reference_build_tree, unpack_mask
+
+
+def _check_structure(tree: DraftTree) -> None:
+    """Invariants every tree must satisfy, whatever the logits."""
+    batch, num_nodes = tree.token_ids.shape
+    idx = torch.arange(num_nodes)
+    valid = idx < tree.num_nodes[:, None]
+    assert torch.equal(tree.valid, valid)
+    assert (tree.parents < idx).all(), "a parent must precede its child"
+    parent_depth = torch.where(
+        tree.parents >= 0, tree.depths.gather(1, tree.parents.clamp(min=0)), 0
+    )
+    assert torch.equal(torch.where(valid, tree.depths, 0), torch.where(valid, parent_depth + 1, 0))
+    assert (tree.token_ids[~valid] == -1).all() and (tree.depths[~valid] == 0).all()
+    assert torch.isneginf(tree.scores[~valid]).all()
+    # scores are non-increasing: best-first order
+    s = torch.where(valid, tree.scores, -math.inf)
+    assert (s[:, :-1] >= s[:, 1:]).all()
+    # siblings carry distinct tokens
+    for r in range(batch):
+        seen = set()
+        for k in range(int(tree.num_nodes[r])):
+            key = (int(tree.parents[r, k]), int(tree.token_ids[r, k]))
+            assert key not in seen
+            seen.add(key)
+    # the mask, row by row from the parents
+    dense = tree.dense_mask()
+    expect = torch.zeros_like(dense)
+    expect[:, :, 0] = True
+    for r in range(batch):
+        expect[r, 0, 0] = True
+        for k in range(num_nodes):
+            p = int(tree.parents[r, k])
+            expect[r, k + 1] = expect[r, p + 1] if p >= 0 else expect[r, 0]
+            expect[r, k + 1, k + 1] = True
+    assert torch.equal(dense, expect)
+
+
+def test_pack_unpack_roundtrip_and_example():
+    assert pack_mask(torch.tensor([[True, False, True]])).tolist() == [[5]]
+    m = torch.rand(3, 70, 70) < 0.5
+    words = pack_mask(m)
+    assert words.dtype == torch.int32 and words.shape == (3, 70, 3)
+    assert torch.equal(unpack_mask(words, 70), m)
+
+
+def test_docstring_example():
+    # q_1 = {a: .6, b: .4}, q_2 = {c: .9, d: .1} with a, b, c, d = 0, 1, 2, 3
+    logits = torch.log(torch.tensor([[[0.6, 0.4, 1e-30, 1e-30], [1e-30, 1e-30, 0.9, 0.1]]]))
+    tree = build_tree(logits, 3)
+    assert tree.token_ids.tolist() == [[0, 2, 1]]
+    assert tree.parents.tolist() == [[-1, 0, -1]]
+    assert tree.depths.tolist() == [[1, 2, 1]]
+    _check_structure(tree)
+
+
+def _all_prefix_scores(lp: torch.Tensor) -> dict[tuple, float]:
+    depth, vocab = lp.shape
+    out = {}
+    for d in range(1, depth + 1):
+        for seq in itertools.product(range(vocab), repeat=d):
+            out[seq] = sum(float(lp[i, t]) for i, t in enumerate(seq))
+    return out
+
+
+def _paths(tree: DraftTree, r: int) -> list[tuple]:
+    paths = []
+    for k in range(int(tree.num_nodes[r])):
+        p = int(tree.parents[r, k])
+        paths.append((paths[p] if p >= 0 else ()) + (int(tree.token_ids[r, k]),))
+    return paths
+
+
+@pytest.mark.parametrize("vocab,depth", [(2, 4), (3, 3), (5, 2), (6, 3), (4, 4)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_optimal_against_enumeration(vocab, depth, ties):
+    """For every budget, the tree is a top-B set of prefixes (ties: any valid top-B set)."""
+    gen = torch.Generator().manual_seed(vocab * 10 + depth)
+    logits = torch.randn(3, depth, vocab, generator=gen, dtype=torch.float64)
+    if ties:  # quantised logits create many equal prefix scores
+        logits = torch.round(logits)
+    lp = torch.log_softmax(logits.float(), -1)
+    max_budget = sum(vocab**d for d in range(1, depth + 1))
+    for r in range(3):
+        all_scores = _all_prefix_scores(lp[r])
+        ranked = sorted(all_scores.values(), reverse=True)
+        for budget in range(1, max_budget + 1):
+            tree = build_tree(logits[r : r + 1], budget)
+            paths = _paths(tree, 0)
+            assert len(paths) == budget and len(set(paths)) == budget
+            got = sorted((all_scores[p] for p in paths), reverse=True)
+            # equal multiset of scores (float tolerance: enumeration sums in another order)
+            assert got == pytest.approx(ranked[:budget], abs=1e-5)
+            # and every prefix outside the tree scores <= the tree's worst node
+            worst = got[-1]
+            outside = [s for p, s in all_scores.items() if p not in set(paths)]
+            assert max(outside, default=-math.inf) <= worst + 1e-5
+        _check_structure(tree)
+
+
+def _assert_equal_to_reference(tree: DraftTree, ref: list[dict]) -> None:
+    for r, expect in enumerate(ref):
+        n = int(tree.num_nodes[r])
+        assert n == len(expect["token_ids"])
+        assert tree.token_ids[r, :n].tolist() == expect["token_ids"]
+        assert tree.parents[r, :n].tolist() == expect["parents"]
+        assert tree.depths[r, :n].tolist() == expect["depths"]
+        assert tree.scores[r, :n].tolist() == expect["scores"]
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3, 17, 64, 256, 1000, 1024])
+def test_equals_reference_heap_large(budget):
+    gen = torch.Generator().manual_seed(budget)
+    # peaked distributions, as a trained drafter gives, so trees grow deep
+    logits = torch.randn(8, 15, 32000, generator=gen) * 4.0
+    tree = build_tree(logits, budget)
+    _assert_equal_to_reference(tree, reference_build_tree(logits, budget))
+    if budget <= 64:
+        _check_structure(tree)
+
+
+def test_equals_reference_with_ties_small_vocab():
+    """Exact ties (quantised logits): the documented tie-break is the heap's."""
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.round(torch.randn(6, 5, 4, generator=gen) * 2)
+    for budget in [1, 5, 20, 100, 400]:
+        _assert_equal_to_reference(build_tree(logits, budget), reference_build_tree(logits, budget))
+
+
+def test_per_request_budgets_are_prefixes_of_the_full_tree():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 6, 100, generator=gen) * 3
+    budgets = torch.tensor([0, 1, 7, 30, 64])
+    tree = build_tree(logits, budgets, max_budget=64)
+    full = build_tree(logits, 64)
+    assert tree.num_nodes.tolist() == budgets.tolist()
+    for r, b in enumerate(budgets.tolist()):
+        assert tree.token_ids[r, :b].tolist() == full.token_ids[r, :b].tolist()
+        assert tree.parents[r, :b].tolist() == full.parents[r, :b].tolist()
+        _assert_equal_to_reference(
+            DraftTree(
+                token_ids=tree.token_ids[r : r + 1],
+                parents=tree.parents[r : r + 1],
+                depths=tree.depths[r : r + 1],
+                scores=tree.scores[r : r + 1],
+                num_nodes=tree.num_nodes[r : r + 1],
+                ancestor_mask=tree.ancestor_mask[r : r + 1],
+                max_depth=tree.max_depth,
+            ),
+            reference_build_tree(logits[r : r + 1], b) if b > 0 else [{"token_ids": [], "parents": [], "depths": [], "scores": []}],
+        )
+    _check_structure(tree)
+
+
+def test_budget_larger_than_the_number_of_prefixes():
+    logits = torch.randn(2, 2, 3)
+    tree = build_tree(logits, 20)  # only 3 + 9 = 12 prefixes exist
+    assert tree.num_nodes.tolist() == [12, 12]
+    _check_structure(tree)
+
+
+def test_zero_probability_tokens_are_never_nodes():
+    logits = torch.full((1, 3, 10), float("-inf"))
+    logits[0, :, :2] = 0.0  # two tokens of probability 1/2 per depth
+    tree = build_tree(logits, 50)
+    assert int(tree.num_nodes[0]) == 2 + 4 + 8
+    assert set(tree.token_ids[0, :14].tolist()) == {0, 1}
+
+
+def test_dtypes_and_errors():
+    logits = torch.randn(2, 3, 40)
+    base = build_tree(logits, 8)
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        t = build_tree(logits.to(dtype), 8)
+        _check_structure(t)
+    assert base.ancestor_mask.shape == (2, 9, 1)
+    with pytest.raises(ValueError, match="draft_logits.shape"):
+        build_tree(torch.randn(3, 40), 4)
+    with pytest.raises(ValueError, match="max_budget"):
+        build_tree(logits, torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="budget.shape"):
+        build_tree(logits, torch.tensor([1, 2, 3]), max_budget=4)
+    with pytest.raises(ValueError, match="float"):
+        build_tree(torch.ones(2, 3, 4, dtype=torch.int64), 4)
