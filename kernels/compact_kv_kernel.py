@@ -1,0 +1,54 @@
+"""Triton body of KV compaction: copy slot src[n] -> dst[n] in every layer's K and V.
+
+Imported lazily by :mod:`compact_kv` (the launcher).
+
+One program = (cache c of the pointer table, chunk of BLOCK_E elements of a slot's
+num_kv_heads * head_dim). It walks the slots in tiles of BLOCK_S, in increasing n, and inside
+a tile loads every source before storing any destination. Different programs touch disjoint
+memory (other caches or other elements of a slot), so the only ordering that matters is inside
+one program. Inside a tile, a barrier separates the loads from the stores. Across tiles, a
+source is never read after an earlier tile wrote it, because tree compaction
+has dst[m] <= src[m] < src[n] for m < n within a request, and requests own disjoint blocks.
+Elements are moved as same-width integers: the copy is bit exact for any dtype.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def compact_kv_kernel(
+    cache_ptrs_ptr,  # [num_caches] int64 data pointers: K0, V0, K1, V1, ...
+    src_slots_ptr,  # [num_slots] int32/int64, -1 = padding
+    dst_slots_ptr,  # [num_slots] int32/int64, -1 = padding
+    num_slots,
+    block_size,
+    stride_b, stride_s, stride_h, stride_d,  # element strides, shared by all caches
+    HEAD_DIM: tl.constexpr,
+    NUM_ELEMS: tl.constexpr,  # num_kv_heads * head_dim
+    ELEM_TY: tl.constexpr,  # integer type as wide as the cache dtype
+    BLOCK_S: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    cache = tl.program_id(0)
+    chunk = tl.program_id(1)
+    base = tl.load(cache_ptrs_ptr + cache).to(tl.pointer_type(ELEM_TY))
+
+    e = chunk * BLOCK_E + tl.arange(0, BLOCK_E)  # [BLOCK_E] element of the slot
+    e_valid = e < NUM_ELEMS
+    e_off = (e // HEAD_DIM).to(tl.int64) * stride_h + (e % HEAD_DIM).to(tl.int64) * stride_d
+
+    for start in range(0, num_slots, BLOCK_S):
+        n = start + tl.arange(0, BLOCK_S)
+        n_valid = n < num_slots
+        src = tl.load(src_slots_ptr + n, mask=n_valid, other=-1).to(tl.int64)
+        dst = tl.load(dst_slots_ptr + n, mask=n_valid, other=-1).to(tl.int64)
+        ok = (src >= 0) & (dst >= 0)
+        src_off = (src // block_size) * stride_b + (src % block_size) * stride_s  # [BLOCK_S]
+        dst_off = (dst // block_size) * stride_b + (dst % block_size) * stride_s
+        mask = ok[:, None] & e_valid[None, :]
+        x = tl.load(base + src_off[:, None] + e_off[None, :], mask=mask)
+        # NOTE: a slot may be read by one thread and written by another in the same tile
+        # (dst[n] == src[n - 1]): the barrier makes every read of the tile land first.
+        tl.debug_barrier()
+        tl.store(base + dst_off[:, None] + e_off[None, :], x, mask=mask)  # then its writes

@@ -1,0 +1,190 @@
+"""Triton body of tree attention (FlashAttention-style online softmax over paged K/V).
+
+Imported lazily by :mod:`tree_attention` (the launcher), so that ``vllm_ddtree.kernels``
+imports on machines where Triton cannot launch.
+
+One program = (query block, request, kv head). Its M rows are BLOCK_Q query tokens times the
+GROUP_PAD query heads that share the kv head (GQA packing: row m is query token m // GROUP_PAD,
+head kv_head * GROUP + m % GROUP_PAD), so each K/V tile is loaded once for the whole group.
+Keys are visited in two phases:
+  1. context keys 0 .. ctx_len - 1: visible to every query row, no mask;
+  2. span keys ctx_len + j, j = 0 .. q_len - 1: bit j of the row's packed tree mask for tree
+     requests, j <= i for causal requests (prefill chunks, plain decode). Tiles where no row
+     sees any key are skipped (most of a tree's upper triangle).
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) = exp2(x * LOG2E)
+M_INIT = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: exp2(M_INIT - M_INIT) = 1, no NaN
+
+
+@triton.jit
+def _attend_tile(
+    acc,  # [BLOCK_M, HEAD_DIM_PAD] fp32
+    m_i,  # [BLOCK_M] fp32 running max (log2 domain)
+    l_i,  # [BLOCK_M] fp32 running sum
+    q,  # [BLOCK_M, HEAD_DIM_PAD]
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_row_ptr,  # block_table[r]
+    pos,  # [BLOCK_N] key positions
+    pos_valid,  # [BLOCK_N] bool: pos < seq_len
+    visible,  # [BLOCK_M, BLOCK_N] bool
+    kv_head,
+    offs_d,  # [HEAD_DIM_PAD]
+    d_valid,  # [HEAD_DIM_PAD] bool
+    qk_scale,  # softmax scale * LOG2E
+    block_size,
+    stride_btn,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    block = tl.load(block_table_row_ptr + (pos // block_size) * stride_btn, mask=pos_valid, other=0)
+    block = block.to(tl.int64)
+    offset = (pos % block_size).to(tl.int64)
+    kv_mask = pos_valid[:, None] & d_valid[None, :]
+    k = tl.load(  # [BLOCK_N, HEAD_DIM_PAD]
+        k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks
+        + kv_head * stride_kh + offs_d[None, :] * stride_kd,
+        mask=kv_mask, other=0.0,
+    )
+    v = tl.load(  # [BLOCK_N, HEAD_DIM_PAD]
+        v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs
+        + kv_head * stride_vh + offs_d[None, :] * stride_vd,
+        mask=kv_mask, other=0.0,
+    )
+    if UPCAST:
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])  # masked: exp2(-inf) = 0
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p = p.to(v.dtype)
+    if UPCAST:
+        p = p.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def tree_attention_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (any strides)
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (any strides)
+    out_ptr,  # [num_tokens, num_heads, head_dim] (output)
+    block_table_ptr,  # [batch, max_blocks]
+    seq_lens_ptr,  # [batch]
+    query_start_loc_ptr,  # [batch + 1]
+    tree_mask_ptr,  # [batch, mask_rows, mask_words] int32
+    has_tree_ptr,  # [batch] int8 (bool viewed as int8)
+    qk_scale,  # softmax scale * LOG2E
+    block_size,
+    mask_rows,
+    mask_words,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_btb, stride_btn,
+    stride_mb, stride_mr, stride_mw,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # next power of two >= HEAD_DIM, >= 16
+    GROUP: tl.constexpr,  # query heads per kv head
+    GROUP_PAD: tl.constexpr,  # next power of two >= GROUP
+    BLOCK_Q: tl.constexpr,  # query tokens per program; BLOCK_Q * GROUP_PAD >= 16
+    BLOCK_N: tl.constexpr,  # keys per tile
+    UPCAST: tl.constexpr,  # do the dots in fp32 (the interpreter's bf16 arithmetic is broken)
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (ignored for 16-bit)
+):
+    q_block = tl.program_id(0)
+    r = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+
+    q_start = tl.load(query_start_loc_ptr + r).to(tl.int64)
+    q_len = (tl.load(query_start_loc_ptr + r + 1) - q_start).to(tl.int32)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + r).to(tl.int32)
+    ctx_len = seq_len - q_len
+    # NOTE: kept as int 0/1: the interpreter mishandles scalar-bool & tensor-bool.
+    tree_flag = tl.load(has_tree_ptr + r).to(tl.int32)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    row = q_block * BLOCK_Q + offs_m // GROUP_PAD  # [BLOCK_M] query index inside the span
+    g = offs_m % GROUP_PAD
+    head = kv_head * GROUP + g
+    row_valid = (row < q_len) & (g < GROUP)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_valid = offs_d < HEAD_DIM
+    q_mask = row_valid[:, None] & d_valid[None, :]
+    q = tl.load(  # [BLOCK_M, HEAD_DIM_PAD]
+        q_ptr + (q_start + row)[:, None] * stride_qt + head[:, None] * stride_qh
+        + offs_d[None, :] * stride_qd,
+        mask=q_mask, other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], M_INIT, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    bt_row_ptr = block_table_ptr + r.to(tl.int64) * stride_btb
+    offs_n = tl.arange(0, BLOCK_N)
+
+    # Phase 1: the committed context, visible to every query row.
+    for start in range(0, ctx_len, BLOCK_N):
+        pos = start + offs_n
+        pos_valid = pos < ctx_len
+        visible = row_valid[:, None] & pos_valid[None, :]
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, pos, pos_valid, visible,
+            kv_head, offs_d, d_valid, qk_scale, block_size, stride_btn,
+            stride_kb, stride_ks, stride_kh, stride_kd,
+            stride_vb, stride_vs, stride_vh, stride_vd,
+            UPCAST, DOT_PRECISION,
+        )
+
+    # Phase 2: the query span. Causal rows never look past the block's last row.
+    causal_end = tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
+    span_end = causal_end + tree_flag * (q_len - causal_end)  # q_len for trees
+    is_tree = (tl.zeros([BLOCK_M], dtype=tl.int32) + tree_flag) != 0  # [BLOCK_M]
+    mask_row_ptr = tree_mask_ptr + r.to(tl.int64) * stride_mb + row[:, None] * stride_mr
+    row_in_mask = row_valid & (row < mask_rows) & is_tree
+    for start in range(0, span_end, BLOCK_N):
+        j = start + offs_n  # [BLOCK_N] key index inside the span
+        j_valid = j < q_len
+        word_idx = j // 32
+        words = tl.load(  # [BLOCK_M, BLOCK_N] packed word holding bit j of row i
+            mask_row_ptr + word_idx[None, :] * stride_mw,
+            mask=row_in_mask[:, None] & (j_valid & (word_idx < mask_words))[None, :],
+            other=0,
+        )
+        tree_bit = ((words >> (j % 32)[None, :]) & 1) != 0
+        causal = j[None, :] <= row[:, None]
+        visible = tl.where(is_tree[:, None], tree_bit, causal) & row_valid[:, None] & j_valid[None, :]
+        if tl.max(visible.to(tl.int32)) > 0:
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, ctx_len + j, j_valid,
+                visible, kv_head, offs_d, d_valid, qk_scale, block_size, stride_btn,
+                stride_kb, stride_ks, stride_kh, stride_kd,
+                stride_vb, stride_vs, stride_vh, stride_vd,
+                UPCAST, DOT_PRECISION,
+            )
+
+    # Rows that saw no key at all (l_i == 0) write zeros, like the reference.
+    denom = tl.where(l_i > 0, l_i, 1.0)
+    result = acc / denom[:, None]
+    tl.store(
+        out_ptr + (q_start + row)[:, None] * stride_ot + head[:, None] * stride_oh
+        + offs_d[None, :] * stride_od,
+        result.to(out_ptr.dtype.element_ty),
+        mask=q_mask,
+    )
