@@ -287,32 +287,41 @@ def reference_build_tree(draft_logits: torch.Tensor, budget: int) -> list[dict]:
 
     Like the official implementation, the top-K log-probabilities are taken on the logits'
     device and copied to the host; the heap then pops B prefixes best-first. Each heap entry
-    is ``(key, depth, rank, parent node, score)`` with the module's tie-break key.
+    is ``(key, depth, rank, parent node, score)`` with the module's tie-break key
+    ``(-score, depth, parent node, rank)``. Scores are numpy float32 sums ``parent + lp``,
+    computed exactly as the batched code computes them, so the two compare bit for bit.
 
-    Returns one dict per request with lists ``token_ids``, ``parents``, ``depths``, ``scores``
-    (Python floats from float32 sums, so they compare exactly with :func:`build_tree`).
+    Returns one dict per request with lists ``token_ids``, ``parents``, ``depths``, ``scores``.
+
+    Example (L = 2, budget 3, q_1 = {a: .6, b: .4}, q_2 = {c: .9, d: .1}): pop a (push b, ac),
+    pop ac (push ad), pop b -> token_ids [a, c, b], parents [-1, 0, -1], depths [1, 2, 1].
     """
     if draft_logits.dim() != 3:
         raise ValueError(
             f"draft_logits.shape={tuple(draft_logits.shape)}, expected [batch, depth, vocab]"
         )
+    if budget < 0:
+        raise ValueError(f"budget={budget} must be >= 0")
     batch, depth, vocab = draft_logits.shape
     k = min(budget, vocab)
+    if k == 0:
+        return [{"token_ids": [], "parents": [], "depths": [], "scores": []} for _ in range(batch)]
     values, ids = _ranked_log_probs(draft_logits, k)
-    values, ids = values.cpu(), ids.cpu()  # the device-to-host copy the heap needs
+    values, ids = values.cpu().numpy(), ids.cpu().numpy()  # the device-to-host copy
     trees = []
     for r in range(batch):
-        lp = values[r]
+        lp = values[r]  # [L, k] float32
         tok = ids[r]
         out = {"token_ids": [], "parents": [], "depths": [], "scores": []}
-        # Scores are float32 sums computed exactly like the batched code: parent + lp.
-        first = float(lp[0, 0])
-        heap = [((-first, 1, -1, 0), 1, 0, -1, lp[0, 0])] if budget > 0 else []
-        while heap and len(out["token_ids"]) < budget:
+        node_scores = []  # float32 score of each emitted node
+        first = lp[0, 0]
+        heap = [((-float(first), 1, -1, 0), 1, 0, -1, first)]
+        while heap and len(node_scores) < budget:
             _, d, rank, parent, score = heapq.heappop(heap)
-            if math.isinf(float(score)):
+            if math.isinf(score):
                 break  # every remaining prefix has probability zero
-            node = len(out["token_ids"])
+            node = len(node_scores)
+            node_scores.append(score)
             out["token_ids"].append(int(tok[d - 1, rank]))
             out["parents"].append(parent)
             out["depths"].append(d)
@@ -320,7 +329,7 @@ def reference_build_tree(draft_logits: torch.Tensor, budget: int) -> list[dict]:
             if rank + 1 < k:  # next sibling: same parent, next rank
                 s = lp[d - 1, rank + 1]
                 if parent >= 0:
-                    s = torch.tensor(out["scores"][parent], dtype=torch.float32) + s
+                    s = node_scores[parent] + s
                 heapq.heappush(heap, ((-float(s), d, parent, rank + 1), d, rank + 1, parent, s))
             if d < depth:  # first child
                 s = score + lp[d, 0]
