@@ -79,7 +79,8 @@ def masked_attention_ref(
 ) -> torch.Tensor:
     """Softmax attention of already gathered K/V under a dense bool mask, GQA aware.
 
-    Returns ``[q_len, num_heads, head_dim]`` in q's dtype. The math runs in fp32. A query row
+    Returns ``[q_len, num_heads, head_dim]`` in q's dtype. The math runs in fp32 (fp64 for
+    fp64 inputs). A query row
     with no visible key returns zeros (SDPA would return NaN).
     """
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
@@ -91,9 +92,10 @@ def masked_attention_ref(
     if mask.shape != (q.shape[0], k.shape[0]):
         raise ValueError(f"mask.shape={tuple(mask.shape)}, expected {(q.shape[0], k.shape[0])}")
     group = num_heads // num_kv_heads
-    qf = q.float().transpose(0, 1)  # [H, q_len, D]
-    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, kv_len, D]
-    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, kv_len, D]
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+    qf = q.to(acc).transpose(0, 1)  # [H, q_len, D]
+    kf = k.to(acc).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, kv_len, D]
+    vf = v.to(acc).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, kv_len, D]
     scores = (qf @ kf.transpose(1, 2)) * scale  # [H, q_len, kv_len]
     visible = mask.to(q.device)
     scores = scores.masked_fill(~visible, float("-inf"))
