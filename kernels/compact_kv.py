@@ -84,9 +84,10 @@ def compact_kv(
 
     Note
     ----
-    Overlapping moves are safe when, within each request, both lists increase and
-    ``dst[n] <= src[n]`` (what tree compaction produces), and different requests use
-    different blocks. Slots are processed in tiles of ``block_s`` in increasing n; a tile
+    Overlapping moves are safe when, within each request, the token positions behind both
+    lists increase and ``position(dst[n]) <= position(src[n])`` (what tree compaction
+    produces; with shuffled block tables the slot numbers themselves need not be ordered),
+    and different requests use different blocks. Slots are processed in tiles of ``block_s`` in increasing n; a tile
     reads all its sources before writing any destination. Arbitrary permutations are NOT
     supported (use :func:`compact_kv_ref`).
 

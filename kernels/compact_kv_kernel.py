@@ -8,7 +8,8 @@ a tile loads every source before storing any destination. Different programs tou
 memory (other caches or other elements of a slot), so the only ordering that matters is inside
 one program. Inside a tile, a barrier separates the loads from the stores. Across tiles, a
 source is never read after an earlier tile wrote it, because tree compaction
-has dst[m] <= src[m] < src[n] for m < n within a request, and requests own disjoint blocks.
+has pos(dst[m]) <= pos(src[m]) < pos(src[n]) for m < n within a request (pos = token position,
+mapped one-to-one to slots by the request's block table), and requests own disjoint blocks.
 Elements are moved as same-width integers: the copy is bit exact for any dtype.
 """
 

@@ -1,0 +1,162 @@
+"""compact_kv (Triton, one launch for all layers) against compact_kv_ref and a snapshot model.
+
+The independent oracle is a snapshot: ``expected[dst[n]] = before[src[n]]`` (every source read
+before any write). On the CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set
+below before the kernel module is imported); with CUDA the same cases run natively.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before the (lazily imported) kernel module
+
+from vllm_ddtree.kernels import KVCacheTable, compact_kv, compact_kv_ref  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def vllm_layer_caches(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, gen):
+    """Per layer (K, V): strided halves of one [num_blocks, num_kv_heads, block_size, 2 * D]
+    tensor, as vLLM 0.32's FlashAttention/Triton backends view it."""
+    layers = []
+    for _ in range(num_layers):
+        raw = torch.randn(num_blocks, num_kv_heads, block_size, 2 * head_dim, generator=gen)
+        raw = raw.to(dtype).to(DEVICE)
+        k, v = raw.transpose(1, 2).split(head_dim, dim=-1)
+        layers.append((k, v))
+    return layers
+
+
+def snapshot_model(layers, src, dst):
+    """Expected caches: copies of the originals with dst[n] <- original src[n] (skip -1)."""
+    expected = []
+    for layer in layers:
+        pair = []
+        for cache in layer:
+            block_size = cache.shape[1]
+            before = cache.clone()
+            after = cache.clone()
+            for s, d in zip(src.tolist(), dst.tolist()):
+                if s >= 0 and d >= 0:
+                    after[d // block_size, d % block_size] = before[s // block_size, s % block_size]
+            pair.append(after)
+        expected.append(tuple(pair))
+    return expected
+
+
+def assert_caches_equal(layers, expected):
+    for i, (layer, exp) in enumerate(zip(layers, expected)):
+        for name, got, want in zip("KV", layer, exp):
+            # compare bit patterns: NaN-safe and exact for every dtype
+            assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)), \
+                f"layer {i} {name} differs"
+
+
+def test_hand_example_accepted_nodes_move_down():
+    # Draft region at slots 40..47 (root at 40). Accepted nodes at slots 43 and 47 -> 41, 42.
+    gen = torch.Generator().manual_seed(0)
+    layers = vllm_layer_caches(2, 4, 16, 1, 32, torch.float32, gen)
+    before = [tuple(c.clone() for c in layer) for layer in layers]
+    src = torch.tensor([43, 47], device=DEVICE)
+    dst = torch.tensor([41, 42], device=DEVICE)
+    compact_kv(layers, src, dst)
+    for layer, old in zip(layers, before):
+        for cache, old_cache in zip(layer, old):
+            assert torch.equal(cache[2, 9], old_cache[2, 11])  # slot 41 = block 2, offset 9
+            assert torch.equal(cache[2, 10], old_cache[2, 15])
+            cache[2, 9:11] = old_cache[2, 9:11]
+            assert torch.equal(cache, old_cache), "a slot other than 41 and 42 changed"
+
+
+@pytest.mark.parametrize("block_s", [1, 2, 16])
+def test_chain_overlap_dst_equals_previous_src(block_s):
+    # dst[n] == src[n - 1]: every accepted node moves down by one, inside and across tiles.
+    gen = torch.Generator().manual_seed(1)
+    layers = vllm_layer_caches(3, 3, 16, 2, 32, torch.float32, gen)
+    src = torch.arange(10, 40, device=DEVICE)  # crosses block boundaries at slots 16 and 32
+    dst = src - 1
+    expected = snapshot_model(layers, src, dst)
+    compact_kv(layers, src, dst, block_s=block_s)
+    assert_caches_equal(layers, expected)
+
+
+def test_padding_slots_are_skipped():
+    gen = torch.Generator().manual_seed(2)
+    layers = vllm_layer_caches(1, 4, 16, 2, 32, torch.float32, gen)
+    src = torch.tensor([5, -1, 9, 30], device=DEVICE)
+    dst = torch.tensor([3, 7, -1, 20], device=DEVICE)
+    expected = snapshot_model(layers, src, dst)
+    compact_kv(layers, src, dst)
+    assert_caches_equal(layers, expected)
+
+
+def random_compaction(batch, block_size, num_blocks, max_nodes, gen):
+    """Per request: a shuffled block table, a draft region of 1 + nodes positions after a
+    random context, and an accepted path (increasing node indices). Returns flat src/dst slots
+    (accepted node i of the path moves to position root + 1 + i), padded with -1."""
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    blocks_per_req = num_blocks // batch
+    src, dst = [], []
+    for r in range(batch):
+        table = perm[r * blocks_per_req:(r + 1) * blocks_per_req]
+        capacity = blocks_per_req * block_size
+        nodes = int(torch.randint(1, max_nodes + 1, (1,), generator=gen))
+        root = int(torch.randint(0, capacity - nodes, (1,), generator=gen))
+        path_len = int(torch.randint(0, nodes + 1, (1,), generator=gen))
+        path = sorted(torch.randperm(nodes, generator=gen)[:path_len].tolist())
+
+        def slot(pos):
+            return table[pos // block_size] * block_size + pos % block_size
+
+        for i, node in enumerate(path):
+            src.append(slot(root + 1 + node))
+            dst.append(slot(root + 1 + i))
+        src.append(-1)  # padding between requests, as a fixed-shape caller would leave
+        dst.append(-1)
+    return torch.tensor(src, device=DEVICE), torch.tensor(dst, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16,
+                                   torch.float8_e4m3fn])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_random_tree_compactions_match_snapshot_and_ref(dtype, block_size):
+    gen = torch.Generator().manual_seed(block_size + dtype.itemsize)
+    num_blocks = 24
+    layers = vllm_layer_caches(4, num_blocks, block_size, 2, 64, dtype, gen)
+    twins = [tuple(c.clone() for c in layer) for layer in layers]
+    src, dst = random_compaction(batch=4, block_size=block_size, num_blocks=num_blocks,
+                                 max_nodes=40, gen=gen)
+    expected = snapshot_model(layers, src, dst)
+    table = KVCacheTable.from_caches(layers)
+    compact_kv(table, src.int(), dst.int(), block_s=4)
+    assert_caches_equal(layers, expected)
+    compact_kv_ref(twins, src, dst)
+    assert_caches_equal(twins, expected)
+
+
+def test_table_is_reusable_and_contiguous_caches_work():
+    gen = torch.Generator().manual_seed(4)
+    layers = [tuple(torch.randn(2, 6, 16, 4, 32, generator=gen).to(DEVICE).unbind(0))
+              for _ in range(3)]
+    table = KVCacheTable.from_caches(layers)
+    for step in range(3):
+        src = torch.tensor([10 + step, 12 + step], device=DEVICE) + 16 * step
+        dst = src - 1 - torch.arange(2, device=DEVICE)
+        expected = snapshot_model(layers, src, dst)
+        compact_kv(table, src, dst)
+        assert_caches_equal(layers, expected)
+
+
+def test_rejects_mixed_caches_and_bad_slots():
+    gen = torch.Generator().manual_seed(5)
+    layers = vllm_layer_caches(2, 4, 16, 2, 32, torch.float32, gen)
+    other = torch.zeros(4, 16, 2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="one KVCacheTable per group"):
+        compact_kv(layers + [(other, other)], torch.tensor([1]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="src_slots.dtype"):
+        compact_kv(layers, torch.tensor([1.0], device=DEVICE), torch.tensor([0.0], device=DEVICE))
+    with pytest.raises(ValueError, match=r"src_slots.shape=\(2,\), dst_slots.shape=\(1,\)"):
+        compact_kv(layers, torch.tensor([1, 2], device=DEVICE), torch.tensor([0], device=DEVICE))
