@@ -108,10 +108,14 @@ def unpack_mask(words: torch.Tensor, n: int) -> torch.Tensor:
 def _ranked_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` log-probabilities per depth in rank order (value desc, then token id asc).
 
+    log q = logit - logsumexp(logits): top-k of the raw logits, then one subtraction, so the
+    full ``[batch, L, vocab]`` log-softmax is never written (as the official code does).
+
     Returns ``(values [batch, L, k] float32, token_ids [batch, L, k] int64)``.
     """
-    log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
-    values, token_ids = torch.topk(log_probs, k, dim=-1)
+    raw_values, token_ids = torch.topk(draft_logits, k, dim=-1)  # [batch, L, k]
+    log_norm = torch.logsumexp(draft_logits.float(), dim=-1, keepdim=True)  # [batch, L, 1]
+    values = raw_values.float() - log_norm
     # topk may order equal values arbitrarily: re-sort by (value desc, token id asc) with a
     # stable sort over the id-sorted list.
     token_ids, by_id = token_ids.sort(dim=-1)
@@ -127,6 +131,7 @@ def _candidate_pairs(budget: int, k: int, device: torch.device) -> tuple[torch.T
     Both lists are sorted, so pair (i, j) is beaten by the (i + 1) * (j + 1) - 1 pairs
     (i' <= i, j' <= j); it can only be in the top ``budget`` if (i + 1) * (j + 1) <= budget.
     Pairs are in lexicographic (i, j) order, which a stable sort turns into the tie-break.
+    Every i < budget has j = 0, so there are always at least ``budget`` pairs.
     Example: budget 4, k 4 -> i 0: j 0..3; i 1: j 0..1; i 2: j 0; i 3: j 0 (8 pairs).
     """
     rows, cols = [], []
@@ -159,6 +164,8 @@ def build_tree(
 
     Everything runs on the logits' device with shapes that depend only on ``(batch, L, vocab,
     max_budget)``: no host synchronisation, so the call can be captured in a CUDA graph.
+    NOTE: the first call for a given ``(max_budget, min(max_budget, vocab), device)`` builds and
+    caches two small index tables (a host-to-device upload): call once before graph capture.
 
     Example (L = 2, one request, budget 3): per-depth probabilities q_1 = {a: .6, b: .4},
     q_2 = {c: .9, d: .1} give prefixes a (.6), b (.4), ac (.54), bc (.36), ad (.06), ...;
@@ -195,31 +202,29 @@ def build_tree(
     k = min(num_slots, vocab)
 
     top_values, top_ids = _ranked_log_probs(draft_logits, k)  # [batch, L, k] each
+    pair_i, pair_j = _candidate_pairs(num_slots, k, device)  # [P] each
+    pair_values = top_values[:, :, pair_j]  # [batch, L, P]: lp_d of each pair's token
 
-    # Per-depth top-B lists, each sorted by (-score, parent position, rank).
-    level_scores = []  # L x [batch, B] float32
-    level_parent = []  # L x [batch, B] int64: position in the previous depth's list
-    level_tokens = []  # L x [batch, B] int64
-    scores = torch.full((batch, num_slots), float("-inf"), device=device)
+    # Per-depth top-B lists, each sorted by (-score, parent position, rank): depth 1 is the
+    # ranked list itself, depth d keeps the best B of the candidate pairs extending depth d-1.
+    scores = top_values.new_full((batch, num_slots), float("-inf"))
     scores[:, :k] = top_values[:, 0]
-    level_scores.append(scores)
-    level_parent.append(torch.full((batch, num_slots), -1, dtype=torch.int64, device=device))
-    tokens = torch.full((batch, num_slots), PADDING_TOKEN_ID, dtype=torch.int64, device=device)
-    tokens[:, :k] = top_ids[:, 0]
-    level_tokens.append(tokens)
-    pair_i, pair_j = _candidate_pairs(num_slots, k, device)
+    level_scores = [scores]  # L x [batch, B] float32
+    level_pairs = []  # (L - 1) x [batch, B] int64: index into the pair list
     for d in range(1, depth):
-        cand = scores[:, pair_i] + top_values[:, d, pair_j]  # [batch, num_pairs]
+        cand = scores[:, pair_i] + pair_values[:, d]  # [batch, P], P >= B
         cand, order = cand.sort(dim=-1, descending=True, stable=True)
-        keep = order[:, :num_slots]
-        if keep.shape[1] < num_slots:  # fewer pairs than slots (tiny vocab)
-            pad = num_slots - keep.shape[1]
-            cand = torch.cat([cand, cand.new_full((batch, pad), float("-inf"))], dim=1)
-            keep = torch.cat([keep, keep.new_zeros((batch, pad))], dim=1)
         scores = cand[:, :num_slots]
         level_scores.append(scores)
-        level_parent.append(pair_i[keep])
-        level_tokens.append(top_ids[:, d].gather(1, pair_j[keep]))
+        level_pairs.append(order[:, :num_slots])
+    # Parent positions and tokens of every depth at once.
+    tokens = torch.full((batch, depth, num_slots), PADDING_TOKEN_ID, dtype=torch.int64, device=device)
+    tokens[:, 0, :k] = top_ids[:, 0]
+    parents_pos = torch.full((batch, depth, num_slots), -1, dtype=torch.int64, device=device)
+    if depth > 1:
+        kept = torch.stack(level_pairs, dim=1)  # [batch, L - 1, B]
+        parents_pos[:, 1:] = pair_i[kept]
+        tokens[:, 1:] = top_ids[:, 1:].gather(2, pair_j[kept])
 
     # Global order: stable sort of the depth-major concatenation by score gives the key
     # (-score, depth, position within the depth's list).
@@ -228,8 +233,8 @@ def build_tree(
     chosen = global_order[:, :num_slots]  # [batch, B] flat (depth, position) index
     node_scores = all_scores[:, :num_slots]
     node_depths = chosen // num_slots + 1
-    node_tokens = torch.stack(level_tokens, dim=1).view(batch, -1).gather(1, chosen)
-    parent_pos = torch.stack(level_parent, dim=1).view(batch, -1).gather(1, chosen)
+    node_tokens = tokens.view(batch, -1).gather(1, chosen)
+    parent_pos = parents_pos.view(batch, -1).gather(1, chosen)
 
     # Node index of each (depth, position) entry, to turn parent positions into node indices.
     node_of_entry = torch.full((batch, depth * num_slots), -1, dtype=torch.int64, device=device)
@@ -258,27 +263,34 @@ def build_tree(
     )
 
 
-def _ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """Packed ancestor rows: row(node) = row(parent) | self; the root row is bit 0 only.
+@lru_cache(maxsize=64)
+def _self_bits(num_rows: int, device: torch.device) -> torch.Tensor:
+    """``[num_rows, ceil(num_rows / 32)]`` int32 packed identity: row i has only bit i."""
+    dense = torch.eye(num_rows, dtype=torch.bool, device=device)
+    return pack_mask(dense)
 
-    Depth d rows are final after d rounds, so ``max_depth`` rounds of one gather suffice.
+
+def _ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """Packed ancestor rows by pointer jumping: ceil(log2(max_depth + 1)) rounds.
+
+    Row r starts as {r} with a jump pointer to its parent row (the root row points to itself);
+    each round ORs in the row at the jump pointer and doubles the jump, so after t rounds a row
+    holds its 2^t nearest path entries. A root-to-node path has at most max_depth + 1 entries.
+    Example: a chain root <- 0 <- 1 <- 2 (rows 0..3): after round 1 row 3 = {3, 2}, jump -> 1;
+    after round 2 row 3 = {3, 2, 1, 0}.
     """
     batch, num_nodes = parents.shape
     device = parents.device
     num_rows = num_nodes + 1
     num_words = (num_rows + 31) // 32
-    rows = torch.arange(num_rows, device=device)
-    self_bits = torch.zeros(num_rows, num_words, dtype=torch.int32, device=device)
-    one = torch.ones(num_rows, dtype=torch.int32, device=device)
-    self_bits[rows, rows // 32] = torch.bitwise_left_shift(one, (rows % 32).to(torch.int32))
-    self_bits = self_bits.expand(batch, num_rows, num_words)
-    root_bit = self_bits[:, :1]  # [batch, 1, W]
-    # Padding nodes hang off the root: parent -1 -> row 0.
-    parent_rows = (parents + 1).clamp(min=0)[:, :, None].expand(batch, num_nodes, num_words)
-    mask = torch.cat([root_bit, self_bits[:, 1:] | root_bit], dim=1)
-    for _ in range(max(max_depth - 1, 0)):
-        inherited = mask.gather(1, parent_rows)
-        mask = torch.cat([root_bit, self_bits[:, 1:] | inherited], dim=1)
+    mask = _self_bits(num_rows, device).expand(batch, num_rows, num_words)  # [batch, B + 1, W]
+    # Jump pointers in row space: root -> 0, node k -> parent + 1 (padding hangs off the root).
+    jump = torch.cat(
+        [torch.zeros(batch, 1, dtype=torch.int64, device=device), (parents + 1).clamp(min=0)], dim=1
+    )  # [batch, B + 1]
+    for _ in range(max(max_depth, 1).bit_length()):  # 2^rounds >= max_depth + 1
+        mask = mask | mask.gather(1, jump[:, :, None].expand(batch, num_rows, num_words))
+        jump = jump.gather(1, jump)
     return mask.contiguous()
 
 
