@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Everything of the kernels that needs a GPU, in ONE device call (well under 10 minutes):
+#   1. tests/test_kernels_*.py natively on CUDA (fp32 at 1e-5, fp16, bf16 at 2e-2),
+#   2. benchmarks/kernels.py (tree_attention vs SDPA + dense mask vs FlexAttention vs causal,
+#      compact_kv vs a per-layer loop) -> benchmarks/results/kernels_<device>.json.
+# Runs on the lent GPU machine (torch + Triton, no vLLM, project not installed): the package
+# is reached through a symlink shim, so nothing is pip-installed. Logs and JSON are copied to
+# $OUT when that is set (the device tool's return folder).
+#   bash benchmarks/gpu_all.sh [extra benchmarks/kernels.py arguments]
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+py="${PYTHON:-python3}"
+shim="$(mktemp -d)"
+mkdir -p "$shim/vllm_ddtree"
+for f in "$root"/vllm_ddtree/*; do ln -s "$f" "$shim/vllm_ddtree/"; done
+ln -sfn "$root/kernels" "$shim/vllm_ddtree/kernels"
+export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+logs="${OUT:-$root/benchmarks/results}"
+mkdir -p "$logs"
+nvidia-smi -L || true
+"$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+status=0
+timeout 150 "$py" -m pytest -q -ra --noconftest -p no:cacheprovider \
+    tests/test_kernels_attention.py tests/test_kernels_compact.py 2>&1 | tee "$logs/gpu_kernel_tests.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+timeout 420 "$py" benchmarks/kernels.py "$@" 2>&1 | tee "$logs/gpu_kernel_bench.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+if [ -n "${OUT:-}" ]; then cp benchmarks/results/kernels_*.json "$OUT"/ 2>/dev/null || true; fi
+exit $status
