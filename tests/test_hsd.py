@@ -88,8 +88,7 @@ def test_uncapped_last_level_would_be_biased():
     h, residual = hsd_stop_probabilities(ids, draft_probs, target_probs)
     h_bad = h.clone()
     h_bad[:, 2] = torch.clamp((p_x / q_x).prod(1), max=1.0)
-    if torch.allclose(h_bad, h):
-        pytest.skip("instance where capped and uncapped coincide")
+    assert not torch.allclose(h_bad, h), "this instance must exercise the capped/uncapped difference"
     stop = h_bad.clone()
     stop[:, 1] = h_bad[:, 1] * (1 - h_bad[:, 2])
     stop[:, 0] = (1 - h_bad[:, 1]) * (1 - h_bad[:, 2])
@@ -111,6 +110,16 @@ def test_hsd_accepts_at_least_as_much_as_tokenwise(seed):
     e_hsd = float((q_seq[:, None] * _hsd_law(ids, draft_probs, target_probs).sum(-1) * levels).sum())
     e_tok = float((q_seq[:, None] * _tokenwise_law(ids, draft_probs, target_probs).sum(-1) * levels).sum())
     assert e_hsd >= e_tok - 1e-12
+    # Closed forms, computed without the verifiers' code: E[tau] = sum_i E_Q[capped prefix
+    # ratio p_i] for block verification, sum_i E_Q[prod_{j <= i} min(1, p_j / q_j)] token-wise.
+    ratio = (target_probs[:, :g].gather(2, ids[..., None]) / draft_probs.gather(2, ids[..., None])).squeeze(2)
+    capped, block_formula = torch.ones(len(ids), dtype=torch.float64), 0.0
+    for i in range(g):
+        capped = torch.clamp(capped * ratio[:, i], max=1.0)
+        block_formula += float((q_seq * capped).sum())
+    tokenwise_formula = float((q_seq[:, None] * torch.clamp(ratio, max=1.0).cumprod(1)).sum())
+    assert e_hsd == pytest.approx(block_formula, abs=1e-12)
+    assert e_tok == pytest.approx(tokenwise_formula, abs=1e-12)
 
 
 @pytest.mark.parametrize("verify,law_fn", [(hsd_verify, _hsd_law), (tokenwise_verify, _tokenwise_law)])
