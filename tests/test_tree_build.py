@@ -128,6 +128,15 @@ def test_equals_reference_heap_large(budget):
         _check_structure(tree)
 
 
+@pytest.mark.parametrize("budget,dtype", [(17, torch.float32), (1024, torch.float32), (256, torch.bfloat16)])
+def test_equals_reference_heap_flat_logits(budget, dtype):
+    """Flat drafts (unit-scale logits over 32k tokens) give wide, shallow trees; bfloat16
+    logits add many exact ties, which both sides must break the same way."""
+    gen = torch.Generator().manual_seed(100 + budget)
+    logits = torch.randn(8, 15, 32000, generator=gen).to(dtype)
+    _assert_equal_to_reference(build_tree(logits, budget), reference_build_tree(logits, budget))
+
+
 def test_equals_reference_with_ties_small_vocab():
     """Exact ties (quantised logits): the documented tie-break is the heap's."""
     gen = torch.Generator().manual_seed(7)
