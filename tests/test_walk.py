@@ -66,6 +66,45 @@ def test_padding_nodes_are_never_accepted():
     assert v.num_accepted[1] == 0 and v.output_tokens[1, 0] == 3
 
 
+def _python_walk(tree: DraftTree, r: int, sampled: list[int]) -> list[int]:
+    """The official host loop: follow the child whose token equals the sample, emit the bonus."""
+    children = {}
+    for k in range(int(tree.num_nodes[r])):
+        children[(int(tree.parents[r, k]), int(tree.token_ids[r, k]))] = k
+    node, out = -1, []
+    while (node, sampled[node + 1]) in children:
+        node = children[(node, sampled[node + 1])]
+        out.append(int(tree.token_ids[r, node]))
+    return out + [sampled[node + 1]]
+
+
+@pytest.mark.parametrize("depth", [1, 2, 7, 15, 16])
+def test_walk_matches_python_walk_on_deep_trees(depth):
+    """Samples that follow a random child 97% of the time drive the walk deep."""
+    gen = torch.Generator().manual_seed(depth)
+    batch, vocab, budget = 40, 3, 150
+    logits = torch.randn(batch, depth, vocab, generator=gen) * 3
+    tree = build_tree(logits, torch.randint(1, budget + 1, (batch,), generator=gen), max_budget=budget)
+    sampled = torch.randint(0, vocab, (batch, budget + 1), generator=gen)
+    for r in range(batch):
+        for k in range(int(tree.num_nodes[r])):  # row of the parent takes the child's token
+            if torch.rand(1, generator=gen) < 0.97:
+                sampled[r, int(tree.parents[r, k]) + 1] = tree.token_ids[r, k]
+    v = walk(tree, sampled)
+    deepest = 0
+    for r in range(batch):
+        expect = _python_walk(tree, r, sampled[r].tolist())
+        n = len(expect) - 1
+        assert v.output_tokens[r].tolist() == expect + [-1] * (depth + 1 - len(expect))
+        assert int(v.num_accepted[r]) == n
+        nodes = v.accepted_nodes[r, :n].tolist()
+        assert [int(tree.depths[r, k]) for k in nodes] == list(range(1, n + 1))
+        assert v.accepted_rows[r].tolist() == [0] + [k + 1 for k in nodes] + [-1] * (depth - n)
+        deepest = max(deepest, n)
+    # some request is accepted past depth 8 (12 here), so all 4 pointer-jumping rounds matter
+    assert deepest >= min(depth, 9)
+
+
 def _tree_for(model: TableModel, depth: int, budget: int, seed: int) -> DraftTree:
     gen = torch.Generator().manual_seed(seed)
     draft_logits = torch.randn(1, depth, model.vocab, generator=gen) * 1.5
