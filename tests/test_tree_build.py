@@ -137,6 +137,17 @@ def test_equals_reference_heap_flat_logits(budget, dtype):
     _assert_equal_to_reference(build_tree(logits, budget), reference_build_tree(logits, budget))
 
 
+@pytest.mark.parametrize("depth,budget", [(15, 200), (16, 300)])
+def test_deep_trees_structure_and_mask(depth, budget):
+    """Peaked drafts grow trees to full depth: the mask must hold whole 16-17 entry paths."""
+    gen = torch.Generator().manual_seed(depth)
+    logits = torch.randn(4, depth, 50, generator=gen) * 12
+    tree = build_tree(logits, budget)
+    assert tree.depths.max(dim=1).values.tolist() == [depth] * 4
+    _check_structure(tree)
+    _assert_equal_to_reference(tree, reference_build_tree(logits, budget))
+
+
 def test_equals_reference_with_ties_small_vocab():
     """Exact ties (quantised logits): the documented tie-break is the heap's."""
     gen = torch.Generator().manual_seed(7)
