@@ -12,6 +12,7 @@ Importing this package never needs a working Triton backend: the @triton.jit bod
 from .compact_kv import KVCacheTable, compact_kv
 from .reference import (
     compact_kv_ref,
+    flatten_kv_caches,
     masked_attention_ref,
     request_attention_mask,
     tree_attention_ref,
@@ -27,5 +28,6 @@ __all__ = [
     "unpack_tree_mask",
     "compact_kv",
     "compact_kv_ref",
+    "flatten_kv_caches",
     "KVCacheTable",
 ]

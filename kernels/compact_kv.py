@@ -8,16 +8,20 @@ the next step, in the target's layers and in the drafter's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ._launch import check_dtype, check_launchable, check_same_device, next_power_of_2
+from .reference import flatten_kv_caches
 
 __all__ = ["KVCacheTable", "compact_kv"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+MAX_TILE_ELEMS = 8192  # registers of one program (4 warps x 32 threads x 64 values)
+MAX_TILE_SLOTS = MAX_TILE_ELEMS  # up to here every source is read before any write
 
 
 @dataclass(frozen=True)
@@ -28,38 +32,30 @@ class KVCacheTable:
     call :meth:`from_caches` once per group otherwise.
     """
 
-    pointers: torch.Tensor  # [2 * num_layers] int64 data pointers: K0, V0, K1, V1, ...
+    pointers: torch.Tensor  # [num_caches] int64 data pointers: K0, V0, K1, V1, ...
     shape: tuple[int, int, int, int]  # (num_blocks, block_size, num_kv_heads, head_dim)
     strides: tuple[int, int, int, int]  # element strides of every cache
     dtype: torch.dtype
     caches: tuple[torch.Tensor, ...]  # keeps the memory alive while the table exists
 
     @classmethod
-    def from_caches(
-        cls, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
-    ) -> "KVCacheTable":
-        """``kv_caches``: per layer ``(key_cache, value_cache)``, each
-        ``[num_blocks, block_size, num_kv_heads, head_dim]`` (strided views are fine)."""
-        caches = []
-        for i, layer in enumerate(kv_caches):
-            if len(layer) != 2:
-                raise ValueError(f"kv_caches[{i}] has {len(layer)} tensors, expected (K, V)")
-            caches.extend(layer)
+    def from_caches(cls, kv_caches) -> "KVCacheTable":
+        """``kv_caches``: per layer ``(key_cache, value_cache)`` pairs, a flat list of caches or
+        a stacked tensor; every cache ``[num_blocks, block_size, num_kv_heads, head_dim]``
+        (strided views such as vLLM's K and V halves are fine)."""
+        caches = flatten_kv_caches(kv_caches)
         if not caches:
             raise ValueError("kv_caches is empty: pass at least one (key_cache, value_cache)")
         first = caches[0]
-        if first.dim() != 4:
-            raise ValueError(f"kv_caches[0][0].shape={tuple(first.shape)}, expected "
-                             "[num_blocks, block_size, num_kv_heads, head_dim]")
         for i, c in enumerate(caches):
             same = (c.shape == first.shape and c.stride() == first.stride()
                     and c.dtype == first.dtype and c.device == first.device)
             if not same:
                 raise ValueError(
-                    f"kv_caches[{i // 2}][{i % 2}] has shape {tuple(c.shape)}, strides "
-                    f"{c.stride()}, {c.dtype} on {c.device}; kv_caches[0][0] has "
-                    f"{tuple(first.shape)}, {first.stride()}, {first.dtype} on {first.device}: "
-                    "build one KVCacheTable per group of identical caches")
+                    f"cache {i} has shape {tuple(c.shape)}, strides {c.stride()}, {c.dtype} on "
+                    f"{c.device}; cache 0 has {tuple(first.shape)}, {first.stride()}, "
+                    f"{first.dtype} on {first.device}: build one KVCacheTable per group of "
+                    "identical caches")
         pointers = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64,
                                 device=first.device)
         return cls(pointers, tuple(first.shape), tuple(first.stride()), first.dtype,
@@ -70,26 +66,40 @@ class KVCacheTable:
         return self.pointers.device
 
 
+def _tiles(num_slots: int, num_elems: int, block_s: int | None) -> tuple[int, int]:
+    """(BLOCK_S, BLOCK_E): all slots in one tile when they fit, elements split to fit.
+
+    Example: 16 slots of 8 x 128 = 1024 elements -> (16, 256); 512 slots -> (512, 16).
+    """
+    if block_s is None:
+        block_s = min(next_power_of_2(num_slots), MAX_TILE_SLOTS)
+    if block_s < 1 or block_s & (block_s - 1):
+        raise ValueError(f"block_s={block_s} must be a power of two")
+    block_e = max(1, min(256, MAX_TILE_ELEMS // block_s, next_power_of_2(num_elems)))
+    return block_s, block_e
+
+
 def compact_kv(
-    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]] | KVCacheTable,
+    kv_caches,  # per layer (K, V) pairs, a flat list, a stacked tensor, or a KVCacheTable
     src_slots: torch.Tensor,  # [num_slots] int32/int64, -1 = padding
     dst_slots: torch.Tensor,  # [num_slots] int32/int64, -1 = padding
     *,
-    block_s: int = 16,
-    block_e: int | None = None,
+    block_s: int | None = None,
 ) -> None:
     """Copy slot ``src_slots[n]`` to ``dst_slots[n]`` in every layer's K and V, one launch.
 
-    slot = block * block_size + offset. Pairs with a -1 on either side are skipped.
+    slot = block * block_size + offset. Pairs with a -1 on either side are skipped;
+    destinations must be distinct. Build the :class:`KVCacheTable` once and pass it to skip
+    the pointer-table upload on every call.
 
     Note
     ----
-    Overlapping moves are safe when, within each request, the token positions behind both
-    lists increase and ``position(dst[n]) <= position(src[n])`` (what tree compaction
-    produces; with shuffled block tables the slot numbers themselves need not be ordered),
-    and different requests use different blocks. Slots are processed in tiles of ``block_s`` in increasing n; a tile
-    reads all its sources before writing any destination. Arbitrary permutations are NOT
-    supported (use :func:`compact_kv_ref`).
+    With ``num_slots <= MAX_TILE_SLOTS`` (8192) every program reads all its sources before it
+    writes any destination (a barrier separates them), so ANY overlap of sources and
+    destinations is safe, as in :func:`compact_kv_ref`. Beyond that (or with an explicit
+    ``block_s``), slots go in tiles of ``block_s`` in increasing n and overlaps are safe only
+    in the tree-compaction pattern: within a request the token positions behind both lists
+    increase and ``position(dst[n]) <= position(src[n])``, and requests own disjoint blocks.
 
     Example
     -------
@@ -104,14 +114,12 @@ def compact_kv(
                          f"{tuple(dst_slots.shape)}: expected two equal [num_slots] shapes")
     check_dtype("src_slots", src_slots, _INDEX_DTYPES)
     check_dtype("dst_slots", dst_slots, _INDEX_DTYPES)
-    if block_s < 1 or block_s & (block_s - 1):
-        raise ValueError(f"block_s={block_s} must be a power of two")
     num_slots = src_slots.shape[0]
     if num_slots == 0:
         return
     _, block_size, num_kv_heads, head_dim = table.shape
     num_elems = num_kv_heads * head_dim
-    block_e = block_e or min(256, next_power_of_2(num_elems))
+    block_s, block_e = _tiles(num_slots, num_elems, block_s)
 
     import triton.language as tl  # lazy: needs Triton
 

@@ -3,12 +3,12 @@
 Imported lazily by :mod:`compact_kv` (the launcher).
 
 One program = (cache c of the pointer table, chunk of BLOCK_E elements of a slot's
-num_kv_heads * head_dim). It walks the slots in tiles of BLOCK_S, in increasing n, and inside
-a tile loads every source before storing any destination. Different programs touch disjoint
-memory (other caches or other elements of a slot), so the only ordering that matters is inside
-one program. Inside a tile, a barrier separates the loads from the stores. Across tiles, a
-source is never read after an earlier tile wrote it, because tree compaction
-has pos(dst[m]) <= pos(src[m]) < pos(src[n]) for m < n within a request (pos = token position,
+num_kv_heads * head_dim). Different programs touch disjoint memory (other caches or other
+elements of a slot). A program walks the slots in tiles of BLOCK_S, in increasing n, and inside
+a tile a barrier separates the loads of every source from the stores: when all slots fit in
+one tile (the launcher's default up to 8192 slots) any overlap is safe. With several tiles a
+source must not be read after an earlier tile wrote it, which tree compaction guarantees:
+pos(dst[m]) <= pos(src[m]) < pos(src[n]) for m < n within a request (pos = token position,
 mapped one-to-one to slots by the request's block table), and requests own disjoint blocks.
 Elements are moved as same-width integers: the copy is bit exact for any dtype.
 """

@@ -25,6 +25,7 @@ __all__ = [
     "masked_attention_ref",
     "tree_attention_ref",
     "compact_kv_ref",
+    "flatten_kv_caches",
 ]
 
 
@@ -147,9 +148,26 @@ def tree_attention_ref(
     return out
 
 
+def flatten_kv_caches(kv_caches) -> list[torch.Tensor]:
+    """The 4-D caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` inside
+    ``kv_caches``, in order: per-layer ``(K, V)`` pairs, a flat list ``[K0, V0, K1, ...]``, or
+    stacked tensors such as ``[num_layers, 2, num_blocks, block_size, heads, dim]`` all work.
+    """
+    if isinstance(kv_caches, torch.Tensor):
+        if kv_caches.dim() < 4:
+            raise ValueError(f"a KV cache has shape {tuple(kv_caches.shape)}, expected "
+                             "[num_blocks, block_size, num_kv_heads, head_dim]")
+        return [kv_caches] if kv_caches.dim() == 4 else [
+            c for sub in kv_caches.unbind(0) for c in flatten_kv_caches(sub)]
+    if not isinstance(kv_caches, (list, tuple)):
+        raise ValueError(f"kv_caches is a {type(kv_caches).__name__}: pass per-layer (K, V) "
+                         "pairs, a list of 4-D caches, or a stacked tensor")
+    return [c for item in kv_caches for c in flatten_kv_caches(item)]
+
+
 def compact_kv_ref(
-    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],  # per layer (K, V), each
-    # [num_blocks, block_size, num_kv_heads, head_dim]
+    kv_caches,  # per layer (K, V) pairs (or a flat list / stacked tensor, see flatten_kv_caches),
+    # each cache [num_blocks, block_size, num_kv_heads, head_dim]
     src_slots: torch.Tensor,  # [num_slots] int, -1 = padding
     dst_slots: torch.Tensor,  # [num_slots] int, -1 = padding
 ) -> None:
@@ -165,10 +183,9 @@ def compact_kv_ref(
     keep = (src_slots >= 0) & (dst_slots >= 0)
     src = src_slots[keep].long()
     dst = dst_slots[keep].long()
-    for layer in kv_caches:
-        for cache in layer:
-            block_size = cache.shape[1]
-            s, d = src.to(cache.device), dst.to(cache.device)
-            # Advanced indexing works on strided views (the K half of a vLLM cache) too.
-            moved = cache[s // block_size, s % block_size]  # index_select: a copy
-            cache[d // block_size, d % block_size] = moved  # index_copy_
+    for cache in flatten_kv_caches(kv_caches):
+        block_size = cache.shape[1]
+        s, d = src.to(cache.device), dst.to(cache.device)
+        # Advanced indexing works on strided views (the K half of a vLLM cache) too.
+        moved = cache[s // block_size, s % block_size]  # index_select: a copy
+        cache[d // block_size, d % block_size] = moved  # index_copy_

@@ -71,9 +71,10 @@ def test_hand_example_accepted_nodes_move_down():
             assert torch.equal(cache, old_cache), "a slot other than 41 and 42 changed"
 
 
-@pytest.mark.parametrize("block_s", [1, 2, 16])
+@pytest.mark.parametrize("block_s", [None, 1, 2, 16])
 def test_chain_overlap_dst_equals_previous_src(block_s):
-    # dst[n] == src[n - 1]: every accepted node moves down by one, inside and across tiles.
+    # dst[n] == src[n - 1]: every accepted node moves down by one, inside one tile (None: the
+    # default puts all 30 slots in one tile) and across tiles of 1, 2 and 16 slots.
     gen = torch.Generator().manual_seed(1)
     layers = vllm_layer_caches(3, 3, 16, 2, 32, torch.float32, gen)
     src = torch.arange(10, 40, device=DEVICE)  # crosses block boundaries at slots 16 and 32
@@ -160,3 +161,38 @@ def test_rejects_mixed_caches_and_bad_slots():
         compact_kv(layers, torch.tensor([1.0], device=DEVICE), torch.tensor([0.0], device=DEVICE))
     with pytest.raises(ValueError, match=r"src_slots.shape=\(2,\), dst_slots.shape=\(1,\)"):
         compact_kv(layers, torch.tensor([1, 2], device=DEVICE), torch.tensor([0], device=DEVICE))
+
+
+@pytest.mark.parametrize("num_slots", [1, 7, 64])
+def test_arbitrary_overlap_in_one_tile_reads_all_sources_first(num_slots):
+    # Sources and destinations drawn independently from the same few blocks: cycles, swaps,
+    # dst > src. The default single tile must behave like a snapshot (the contract).
+    gen = torch.Generator().manual_seed(num_slots)
+    layers = vllm_layer_caches(2, 5, 16, 2, 32, torch.bfloat16, gen)
+    src = torch.randint(0, 80, (num_slots,), generator=gen).to(DEVICE)
+    dst = torch.randperm(80, generator=gen)[:num_slots].to(DEVICE)  # distinct destinations
+    expected = snapshot_model(layers, src, dst)
+    compact_kv(layers, src, dst)
+    assert_caches_equal(layers, expected)
+
+
+def test_swap_of_two_slots():
+    gen = torch.Generator().manual_seed(9)
+    layers = vllm_layer_caches(1, 2, 16, 1, 32, torch.float32, gen)
+    k0 = layers[0][0].clone()
+    compact_kv(layers, torch.tensor([3, 20], device=DEVICE), torch.tensor([20, 3], device=DEVICE))
+    assert torch.equal(layers[0][0][1, 4], k0[0, 3]) and torch.equal(layers[0][0][0, 3], k0[1, 4])
+
+
+def test_flat_list_and_stacked_tensor_inputs():
+    gen = torch.Generator().manual_seed(6)
+    stacked = torch.randn(3, 2, 4, 16, 2, 32, generator=gen).to(DEVICE)  # [layers, K/V, ...]
+    twin = stacked.clone()
+    flat = [c for layer in twin for c in layer]  # [K0, V0, K1, ...] views into twin
+    src = torch.tensor([17, 30, 33], device=DEVICE)
+    dst = torch.tensor([16, 17, 18], device=DEVICE)
+    expected = snapshot_model([tuple(layer) for layer in stacked], src, dst)
+    compact_kv(stacked, src, dst)
+    compact_kv(flat, src, dst)
+    assert_caches_equal([tuple(layer) for layer in stacked], expected)
+    assert_caches_equal([tuple(layer) for layer in twin], expected)
