@@ -108,14 +108,13 @@ def unpack_mask(words: torch.Tensor, n: int) -> torch.Tensor:
 def _ranked_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` log-probabilities per depth in rank order (value desc, then token id asc).
 
-    log q = logit - logsumexp(logits): top-k of the raw logits, then one subtraction, so the
-    full ``[batch, L, vocab]`` log-softmax is never written (as the official code does).
+    One fused log-softmax, then top-k (measured on CPU: 2x faster than top-k of the raw logits
+    minus a logsumexp, which PyTorch runs as several unfused passes).
 
     Returns ``(values [batch, L, k] float32, token_ids [batch, L, k] int64)``.
     """
-    raw_values, token_ids = torch.topk(draft_logits, k, dim=-1)  # [batch, L, k]
-    log_norm = torch.logsumexp(draft_logits.float(), dim=-1, keepdim=True)  # [batch, L, 1]
-    values = raw_values.float() - log_norm
+    log_probs = torch.log_softmax(draft_logits, dim=-1, dtype=torch.float32)  # [batch, L, vocab]
+    values, token_ids = torch.topk(log_probs, k, dim=-1)  # [batch, L, k]
     # topk may order equal values arbitrarily: re-sort by (value desc, token id asc) with a
     # stable sort over the id-sorted list.
     token_ids, by_id = token_ids.sort(dim=-1)
