@@ -225,12 +225,16 @@ def test_kernel_ragged_mixed_batch(dtype, head_dim, block_size, num_heads, num_k
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_kernel_default_tiles_and_odd_group(dtype):
-    # 12 heads over 4 kv heads: group 3 padded to 4; the launcher picks the tiles.
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_kernel_default_tiles_and_odd_group(dtype, head_dim):
+    # 12 heads over 4 kv heads: group 3 padded to 4; head_dim 80 padded to 128; int64 indices;
+    # the launcher picks the tiles and reads max_query_len from query_start_loc.
     gen = torch.Generator().manual_seed(3)
     trees = [random_parents(30, gen), random_parents(1, gen), None]
     args = make_batch([31, 2, 70], [100, 3, 0], trees, num_heads=12, num_kv_heads=4,
-                      head_dim=64, block_size=16, dtype=dtype, gen=gen)
+                      head_dim=head_dim, block_size=16, dtype=dtype, gen=gen)
+    for name in ("seq_lens", "query_start_loc", "block_table"):
+        args[name] = args[name].long()
     run_and_compare(args, 0.125, dtype)
 
 
@@ -293,7 +297,7 @@ def test_kernel_rejects_bad_inputs_with_messages():
         tree_attention(**{**args, "query_start_loc": qsl}, scale=1.0)
 
 
-def test_import_without_launchable_triton_and_cpu_error_names_the_fallback():
+def test_import_without_launchable_triton_and_cpu_errors_name_the_fallbacks():
     code = (
         "import torch, vllm_ddtree.kernels as K\n"
         "x = torch.zeros(1, 1, 32)\n"
@@ -304,9 +308,14 @@ def test_import_without_launchable_triton_and_cpu_error_names_the_fallback():
         "except ValueError as e:\n"
         "    assert 'tree_attention_ref' in str(e), e\n"
         "    print('ok')\n"
+        "try:\n"
+        "    K.compact_kv([(x[None, None], x[None, None])], torch.tensor([0]), torch.tensor([0]))\n"
+        "except ValueError as e:\n"
+        "    assert 'compact_kv_ref' in str(e), e\n"
+        "    print('ok')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+    assert res.returncode == 0 and res.stdout.split() == ["ok", "ok"], res.stderr
