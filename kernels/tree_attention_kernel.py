@@ -16,7 +16,6 @@ Keys are visited in two phases:
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) = exp2(x * LOG2E)
 M_INIT = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: exp2(M_INIT - M_INIT) = 1, no NaN
 
 
@@ -35,7 +34,7 @@ def _attend_tile(
     kv_head,
     offs_d,  # [HEAD_DIM_PAD]
     d_valid,  # [HEAD_DIM_PAD] bool
-    qk_scale,  # softmax scale * LOG2E
+    qk_scale,  # softmax scale / ln(2), so that exp(x * scale) = exp2(x * qk_scale)
     block_size,
     stride_btn,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -84,7 +83,7 @@ def tree_attention_kernel(
     query_start_loc_ptr,  # [batch + 1]
     tree_mask_ptr,  # [batch, mask_rows, mask_words] int32
     has_tree_ptr,  # [batch] int8 (bool viewed as int8)
-    qk_scale,  # softmax scale * LOG2E
+    qk_scale,  # softmax scale / ln(2), so that exp(x * scale) = exp2(x * qk_scale)
     block_size,
     mask_rows,
     mask_words,
