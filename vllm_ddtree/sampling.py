@@ -47,6 +47,18 @@ class SamplingBatch:
     ``<= 0`` or ``>= vocab`` disable top-k; ``top_p == 1`` disables top-p. Rows listed in
     ``generators`` draw their randomness from their own generator (seeded requests); the others
     from the default generator of the device.
+
+    NOTE: when every request is greedy (vLLM's ``SamplingMetadata.all_greedy``), pass
+    ``sampling=None`` to the verifiers instead: a SamplingBatch always runs the random path
+    for every row (choosing per row on the device, without a host sync), which costs a
+    softmax and one exponential draw per logit.
+
+    Example (vLLM's metadata, three requests, the second seeded)::
+
+        SamplingBatch(temperature=torch.tensor([0.0, 0.7, 1.0]),   # request 0 is greedy
+                      top_k=torch.tensor([0, 50, 0]),              # 0: no top-k
+                      top_p=torch.tensor([1.0, 0.9, 1.0]),         # 1.0: no top-p
+                      generators={1: torch.Generator().manual_seed(42)})
     """
 
     temperature: torch.Tensor  # [batch] float32
