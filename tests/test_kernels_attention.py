@@ -1,7 +1,7 @@
 """tree_attention (Triton) against tree_attention_ref (torch), and the ref against brute force.
 
-On the CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set below before the
-kernel module is imported); with CUDA the same cases run natively, plus bf16. Smallest first:
+On the CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set by a module fixture
+before the kernel module is first imported); with CUDA the same cases run natively. Smallest first:
 the packed-mask helpers, a hand-built tree, then sweeps over head dims, block sizes, GQA,
 ragged mixed batches, DDTree trees from build_tree and a 1024-node tree.
 """
@@ -14,19 +14,36 @@ import sys
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before the (lazily imported) kernel module
-
-from vllm_ddtree.kernels import (  # noqa: E402
+from vllm_ddtree.kernels import (
     masked_attention_ref,
     request_attention_mask,
     tree_attention,
     tree_attention_ref,
     unpack_tree_mask,
 )
-from vllm_ddtree.tree import build_tree, pack_mask  # noqa: E402
+from vllm_ddtree.tree import build_tree, pack_mask
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def triton_interpreter():
+    """On the CPU, run the kernels in Triton's interpreter, for this module's tests only.
+
+    The launchers import the @triton.jit modules on first call, which happens inside this
+    fixture, so the kernels are interpreted; other test files keep their environment (vLLM
+    must not see TRITON_INTERPRET=1).
+    """
+    if DEVICE == "cuda":
+        yield
+        return
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    yield
+    if saved is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = saved
 # (atol, rtol) of the kernel against the fp32 reference, per input dtype.
 TOLERANCES = {
     torch.float32: (1e-5, 1e-5),

@@ -1,8 +1,8 @@
 """compact_kv (Triton, one launch for all layers) against compact_kv_ref and a snapshot model.
 
 The independent oracle is a snapshot: ``expected[dst[n]] = before[src[n]]`` (every source read
-before any write). On the CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set
-below before the kernel module is imported); with CUDA the same cases run natively.
+before any write). On the CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set by a module
+fixture before the kernel module is first imported); with CUDA the same cases run natively.
 """
 
 import os
@@ -10,12 +10,29 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before the (lazily imported) kernel module
-
-from vllm_ddtree.kernels import KVCacheTable, compact_kv, compact_kv_ref  # noqa: E402
+from vllm_ddtree.kernels import KVCacheTable, compact_kv, compact_kv_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def triton_interpreter():
+    """On the CPU, run the kernels in Triton's interpreter, for this module's tests only.
+
+    The launchers import the @triton.jit modules on first call, which happens inside this
+    fixture, so the kernels are interpreted; other test files keep their environment (vLLM
+    must not see TRITON_INTERPRET=1).
+    """
+    if DEVICE == "cuda":
+        yield
+        return
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    yield
+    if saved is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = saved
 
 
 def vllm_layer_caches(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, gen):
