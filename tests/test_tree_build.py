@@ -63,6 +63,15 @@ def test_docstring_example():
     _check_structure(tree)
 
 
+def test_position_offsets_and_query_token_ids():
+    logits = torch.log(torch.tensor([[[0.6, 0.4, 1e-30, 1e-30], [1e-30, 1e-30, 0.9, 0.1]]]))
+    tree = build_tree(logits, torch.tensor([3]), max_budget=4)  # nodes a, ac, b, padding
+    assert tree.position_offsets().tolist() == [[0, 1, 2, 1, 0]]
+    assert tree.query_token_ids(torch.tensor([3])).tolist() == [[3, 0, 2, 1, 0]]
+    with pytest.raises(ValueError, match="root_token_ids.shape"):
+        tree.query_token_ids(torch.tensor([3, 4]))
+
+
 def _all_prefix_scores(lp: torch.Tensor) -> dict[tuple, float]:
     depth, vocab = lp.shape
     out = {}

@@ -74,6 +74,28 @@ class DraftTree:
         """``[batch, B]`` bool: True for real nodes."""
         return self.depths > 0
 
+    def position_offsets(self) -> torch.Tensor:
+        """``[batch, B + 1]`` int64 query position offsets: 0 at the root, then node depths.
+
+        Query row i sits at ``context_len + offsets[:, i]`` (siblings share a position; padding
+        rows get offset 0, harmless as they attend only to the root and themselves).
+        Example: depths [1, 2, 1, 0(pad)] -> offsets [0, 1, 2, 1, 0].
+        """
+        root = torch.zeros_like(self.depths[:, :1])
+        return torch.cat([root, self.depths], dim=1)
+
+    def query_token_ids(self, root_token_ids: torch.Tensor) -> torch.Tensor:
+        """``[batch, B + 1]`` int64 verify-block input ids: the root token, then node tokens.
+
+        Padding nodes (token -1) get id 0 so that an embedding lookup stays in range.
+        Example: root 7, token_ids [5, 9, -1] -> [7, 5, 9, 0].
+        """
+        batch = self.token_ids.shape[0]
+        if root_token_ids.shape != (batch,):
+            raise ValueError(f"root_token_ids.shape={tuple(root_token_ids.shape)}, expected ({batch},)")
+        nodes = self.token_ids.clamp(min=0)
+        return torch.cat([root_token_ids.to(nodes.dtype)[:, None], nodes], dim=1)
+
     def dense_mask(self) -> torch.Tensor:
         """``[batch, B + 1, B + 1]`` bool: ``[r, i, j]`` is True iff j is i or its ancestor."""
         return unpack_mask(self.ancestor_mask, self.max_budget + 1)
