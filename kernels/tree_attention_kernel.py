@@ -18,6 +18,14 @@ import triton.language as tl
 
 M_INIT = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: exp2(M_INIT - M_INIT) = 1, no NaN
 
+# NOTE: reductions go through tl.reduce with the standard library's combine functions, and
+# zeros through tl.full, instead of tl.max / tl.sum / tl.zeros: those are @triton.jit helpers
+# that stop working in the interpreter when triton was imported before TRITON_INTERPRET=1 was
+# set (e.g. by vLLM earlier in a pytest run). The interpreter maps these combine functions to
+# numpy; the compiler sees exactly what tl.max / tl.sum expand to.
+_MAX = tl.standard._elementwise_max
+_SUM = tl.standard._sum_combine
+
 
 @triton.jit
 def _attend_tile(
@@ -60,10 +68,10 @@ def _attend_tile(
         k = k.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])  # masked: exp2(-inf) = 0
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
     p = p.to(v.dtype)
     if UPCAST:
         p = p.to(tl.float32)
@@ -133,8 +141,8 @@ def tree_attention_kernel(
         q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_M], M_INIT, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_DIM_PAD], 0.0, dtype=tl.float32)
     bt_row_ptr = block_table_ptr + r.to(tl.int64) * stride_btb
     offs_n = tl.arange(0, BLOCK_N)
 
@@ -154,7 +162,7 @@ def tree_attention_kernel(
     # Phase 2: the query span. Causal rows never look past the block's last row.
     causal_end = tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
     span_end = causal_end + tree_flag * (q_len - causal_end)  # q_len for trees
-    is_tree = (tl.zeros([BLOCK_M], dtype=tl.int32) + tree_flag) != 0  # [BLOCK_M]
+    is_tree = (tl.full([BLOCK_M], 0, dtype=tl.int32) + tree_flag) != 0  # [BLOCK_M]
     mask_row_ptr = tree_mask_ptr + r.to(tl.int64) * stride_mb + row[:, None] * stride_mr
     row_in_mask = row_valid & (row < mask_rows) & is_tree
     for start in range(0, span_end, BLOCK_N):
@@ -169,7 +177,7 @@ def tree_attention_kernel(
         tree_bit = ((words >> (j % 32)[None, :]) & 1) != 0
         causal = j[None, :] <= row[:, None]
         visible = tl.where(is_tree[:, None], tree_bit, causal) & row_valid[:, None] & j_valid[None, :]
-        if tl.max(visible.to(tl.int32)) > 0:
+        if tl.reduce(visible.to(tl.int32), None, _MAX) > 0:
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, ctx_len + j, j_valid,
                 visible, kv_head, offs_d, d_valid, qk_scale, block_size, stride_btn,

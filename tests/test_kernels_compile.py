@@ -8,7 +8,10 @@ constants, pointers and other strides divisible by 16) and checks for Hopper ten
 the native tests of the other kernel test files compile for real, so this file skips.
 """
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -32,10 +35,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _compile(fn, types, constexprs, num_warps=4, num_stages=2):
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+# Runs in a fresh interpreter without TRITON_INTERPRET: in this process the kernels may
+# already be interpreter functions (the other kernel test files), which cannot be compiled.
+_COMPILE = r"""
+import json, sys
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from vllm_ddtree.kernels.compact_kv_kernel import compact_kv_kernel
+from vllm_ddtree.kernels.tree_attention_kernel import tree_attention_kernel
 
+
+def compile_(fn, types, constexprs):
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -43,39 +54,51 @@ def _compile(fn, types, constexprs, num_warps=4, num_stages=2):
             continue
         signature[name] = types.get(name, "i32")
         if name.endswith("_ptr") or name.startswith("stride") or name == "block_size":
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            attrs[(i,)] = [["tt.divisibility", 16]]  # as the JIT specialises aligned values
     src = ASTSource(fn, signature, constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+                          options={"num_warps": 4, "num_stages": 2})
 
 
-def test_tree_attention_compiles_for_sm90_with_wgmma_and_pipelined_loads():
-    from vllm_ddtree.kernels.tree_attention_kernel import tree_attention_kernel
+report = {}
+types = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
+         "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+         "tree_mask_ptr": "*i32", "has_tree_ptr": "*i8", "qk_scale": "fp32"}
+# the launcher's tiles for 32 query / 8 kv heads, head_dim 128 (group 4 -> 16 tokens x 4)
+constexprs = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, GROUP=4, GROUP_PAD=4, BLOCK_Q=16,
+                  BLOCK_N=64, UPCAST=False, DOT_PRECISION="tf32")
+for name in ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_btn", "stride_mw"):
+    constexprs[name] = 1  # the JIT specialises unit strides
+k = compile_(tree_attention_kernel, types, constexprs)
+report["attn_wgmma"] = k.asm["ttgir"].count("ttng.warp_group_dot ")
+report["attn_async_copies"] = k.asm["ttgir"].count("async_copy_global_to_local")
+report["attn_shared"] = k.metadata.shared
+types = {"cache_ptrs_ptr": "*i64", "src_slots_ptr": "*i64", "dst_slots_ptr": "*i64"}
+report["compact_barrier"] = []
+for block_s, block_e in ((16, 256), (512, 16)):
+    constexprs = dict(HEAD_DIM=128, NUM_ELEMS=1024, ELEM_TY=tl.int16, BLOCK_S=block_s,
+                      BLOCK_E=block_e, stride_d=1)
+    k = compile_(compact_kv_kernel, types, constexprs)
+    report["compact_barrier"].append("bar.sync" in k.asm["ptx"])
+print("REPORT" + json.dumps(report))
+"""
 
-    types = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
-             "out_ptr": "*bf16", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
-             "query_start_loc_ptr": "*i32", "tree_mask_ptr": "*i32", "has_tree_ptr": "*i8",
-             "qk_scale": "fp32"}
-    # the launcher's tiles for 32 query / 8 kv heads, head_dim 128 (group 4 -> 16 tokens x 4)
-    constexprs = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, GROUP=4, GROUP_PAD=4, BLOCK_Q=16,
-                      BLOCK_N=64, UPCAST=False, DOT_PRECISION="tf32")
-    for name in ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_btn", "stride_mw"):
-        constexprs[name] = 1  # the JIT specialises unit strides
-    kernel = _compile(tree_attention_kernel, types, constexprs)
-    ttgir = kernel.asm["ttgir"]
-    assert ttgir.count("ttng.warp_group_dot ") >= 4, "expected wgmma for QK^T and PV, both phases"
-    assert "async_copy_global_to_local" in ttgir, "K/V loads are no longer software-pipelined"
-    assert kernel.metadata.shared <= 228 * 1024
+
+@pytest.fixture(scope="module")
+def report():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    line = [x for x in res.stdout.splitlines() if x.startswith("REPORT")][-1]
+    return json.loads(line[len("REPORT"):])
 
 
-def test_compact_kv_compiles_for_sm90_with_a_barrier():
-    import triton.language as tl
+def test_tree_attention_compiles_for_sm90_with_wgmma_and_pipelined_loads(report):
+    assert report["attn_wgmma"] >= 4, "expected wgmma for QK^T and PV in both phases"
+    assert report["attn_async_copies"] > 0, "K/V loads are no longer software-pipelined"
+    assert report["attn_shared"] <= 228 * 1024
 
-    from vllm_ddtree.kernels.compact_kv_kernel import compact_kv_kernel
 
-    types = {"cache_ptrs_ptr": "*i64", "src_slots_ptr": "*i64", "dst_slots_ptr": "*i64"}
-    for block_s, block_e in ((16, 256), (512, 16)):
-        constexprs = dict(HEAD_DIM=128, NUM_ELEMS=1024, ELEM_TY=tl.int16, BLOCK_S=block_s,
-                          BLOCK_E=block_e, stride_d=1)
-        kernel = _compile(compact_kv_kernel, types, constexprs)
-        assert "bar.sync" in kernel.asm["ptx"], "loads and stores of a tile must be separated"
+def test_compact_kv_compiles_for_sm90_with_a_barrier(report):
+    assert report["compact_barrier"] == [True, True], "loads and stores of a tile must be separated"
