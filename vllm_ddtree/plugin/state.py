@@ -1,0 +1,178 @@
+"""Per-runner ddtree state shared by the proposer, the attention builder and the sampler.
+
+One :class:`TreeState` belongs to one model runner (no module-global context). A step goes:
+
+1. ``propose`` (step t) records each request's tree: :meth:`TreeState.record_proposal`.
+2. ``_prepare_inputs`` (step t+1) matches the scheduled drafts of each row with the tree
+   proposed for that request and builds the verify batch: :meth:`TreeState.begin_verify`.
+   Rows whose drafts are not that tree (placeholders after preemption, zeros when the input
+   did not fit the drafter, dummy runs) are verified as chains, which is also a valid tree.
+3. attention reads the structure (:attr:`VerifyBatch.tree`), the sampler walks it and records
+   the verdict; the runner compacts the accepted path's K/V and the proposer gathers the
+   accepted rows' hidden states (:meth:`TreeState.finish_verify`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_ddtree.plugin.options import DDTreeOptions
+from vllm_ddtree.tree import DraftTree, _ancestor_mask
+from vllm_ddtree.walk import TreeVerdict
+
+
+@dataclass
+class VerifyBatch:
+    """The trees verified in one target step, one row per scheduled request."""
+
+    tree: DraftTree  # [R, B] nodes: the scheduled drafts; node k >= num_draft[r] is padding
+    num_draft: list[int]  # m_r, host
+    query_start: list[int]  # first query row of each request in the flat batch, host
+    num_tokens: int  # T, scheduled tokens in the step
+
+
+def chain_parents(num_rows: int, width: int, device: torch.device) -> torch.Tensor:
+    """``[num_rows, width]`` parents of a chain: node k hangs off node k - 1 (node 0 off the root)."""
+    return (torch.arange(width, device=device) - 1).expand(num_rows, width)
+
+
+def depths_from_parents(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``[R, B]`` depth of each node (1 for root children, 0 for padding), by pointer jumping.
+
+    Each node keeps an ancestor and its distance to it; every round jumps to the ancestor's
+    ancestor, so ceil(log2(B)) + 1 rounds reach the root. Example: chain parents [-1, 0, 1]
+    -> depths [1, 2, 3].
+    """
+    ancestor = parents
+    distance = torch.ones_like(parents)
+    for _ in range(parents.shape[1].bit_length() + 1):
+        has = ancestor >= 0
+        hop = ancestor.clamp(min=0)
+        distance = torch.where(has, distance + distance.gather(1, hop), distance)
+        ancestor = torch.where(has, ancestor.gather(1, hop), ancestor)
+    return torch.where(valid, distance, 0)
+
+
+class TreeState:
+    def __init__(self, options: DDTreeOptions, device: torch.device):
+        if options.depth is None:
+            raise ValueError("ddtree: the drafting depth must be resolved before the runner starts")
+        self.options = options
+        self.device = device
+        self._proposed_rows: dict[str, int] = {}
+        self._proposed: DraftTree | None = None
+        self.verify: VerifyBatch | None = None
+        self.chain_positions: torch.Tensor | None = None  # [T] positions before the depth shift
+        self.verdict: TreeVerdict | None = None
+        self.gather_index: torch.Tensor | None = None  # [T] hidden-state rows for the drafter
+        self.num_compacted_slots = 0  # K/V slots moved by compaction (tests, diagnostics)
+
+    @property
+    def budget(self) -> int:
+        return self.options.budget
+
+    @property
+    def depth(self) -> int:
+        return self.options.depth
+
+    def record_proposal(self, req_ids: list[str], tree: DraftTree) -> None:
+        """Keep the trees drafted for ``req_ids`` (row r of ``tree`` is ``req_ids[r]``)."""
+        self._proposed_rows = {req_id: row for row, req_id in enumerate(req_ids)}
+        self._proposed = tree
+
+    def begin_verify(
+        self,
+        req_ids: list[str],
+        num_draft: list[int],
+        draft_token_ids: torch.Tensor,  # [sum(num_draft)] the scheduled drafts, -1 = placeholder
+        query_start: list[int],
+        num_tokens: int,
+    ) -> VerifyBatch:
+        """Build the verify trees of a step from the scheduled drafts and the proposals.
+
+        Example: B = 3, request "a" was proposed tokens [5, 7, 9] with parents [-1, -1, 0]
+        and the scheduler kept 2 of them: the verify tree is tokens [5, 7, -1], parents
+        [-1, -1, -1] (node 2 is padding). Request "b" has placeholder drafts [-1, -1] and no
+        proposal: it is verified as the chain with parents [-1, 0, -1].
+        """
+        num_rows, width = len(req_ids), self.budget
+        device = self.device
+        node = torch.arange(width, device=device)
+        counts = torch.tensor(num_draft, dtype=torch.int64, device=device)
+        in_draft = node[None, :] < counts[:, None]  # [R, B]
+        # scheduled drafts, padded to [R, B] with -1
+        flat_drafts = draft_token_ids.to(device=device, dtype=torch.int64).flatten()
+        starts = torch.tensor([0] + num_draft[:-1], dtype=torch.int64, device=device).cumsum(0)
+        flat_index = (starts[:, None] + node[None, :]).clamp(max=max(flat_drafts.numel() - 1, 0))
+        if flat_drafts.numel() == 0:
+            flat_drafts = torch.full((1,), -1, dtype=torch.int64, device=device)
+        scheduled = torch.where(in_draft, flat_drafts[flat_index], -1)
+        parents = chain_parents(num_rows, width, device)
+        tokens = scheduled
+        proposed = self._proposed
+        if proposed is not None and proposed.max_budget == width:
+            rows = torch.tensor(
+                [self._proposed_rows.get(req_id, -1) for req_id in req_ids],
+                dtype=torch.int64, device=device,
+            )
+            p_tokens = proposed.token_ids[rows.clamp(min=0)]
+            p_parents = proposed.parents[rows.clamp(min=0)]
+            # the proposal's tokens as the scheduler saw them (zero-probability padding -> 0)
+            same = (torch.where(in_draft, p_tokens.clamp(min=0), -1) == scheduled).all(dim=1)
+            use_tree = ((rows >= 0) & same)[:, None]
+            parents = torch.where(use_tree, p_parents, parents)
+            tokens = torch.where(use_tree, p_tokens, scheduled)
+        tokens = torch.where(in_draft, tokens, -1)
+        parents = torch.where(in_draft, parents, -1)
+        tree = DraftTree(
+            token_ids=tokens,
+            parents=parents,
+            depths=depths_from_parents(parents, in_draft),
+            scores=torch.zeros(num_rows, width, device=device),
+            num_nodes=counts,
+            ancestor_mask=_ancestor_mask(parents, width),
+            max_depth=width,
+        )
+        self.verify = VerifyBatch(tree=tree, num_draft=list(num_draft),
+                                  query_start=list(query_start), num_tokens=num_tokens)
+        self.verdict = None
+        self.gather_index = None
+        return self.verify
+
+    def end_step_without_verify(self) -> None:
+        self.verify = None
+        self.verdict = None
+        self.gather_index = None
+
+    def finish_verify(self, verdict: TreeVerdict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record the walk's verdict; return the (src, dst) flat query rows of the K/V moves.
+
+        Accepted node q_j at depth j sits at query row ``start + q_j + 1`` and must move to
+        ``start + j`` (its chain slot). Rows that do not move are -1. Example: a request whose
+        rows start at 40 with accepted nodes [0, 3, 7] -> src rows [-1, 44, 48], dst rows
+        [-1, 42, 43] (node 0 is already in place). The drafter's hidden-state gather index is
+        set from the same pairs.
+        """
+        assert self.verify is not None
+        self.verdict = verdict
+        starts = torch.tensor(self.verify.query_start, dtype=torch.int64, device=self.device)
+        rows = verdict.accepted_rows[:, 1:]  # [R, L] query rows within the request, -1 pad
+        depth = torch.arange(1, rows.shape[1] + 1, device=self.device)
+        accepted = rows >= 0
+        src = torch.where(accepted, starts[:, None] + rows, -1)
+        dst = torch.where(accepted, starts[:, None] + depth[None, :], -1)
+        num_tokens = self.verify.num_tokens
+        index = torch.arange(num_tokens + 1, device=self.device)
+        index.scatter_(0, torch.where(accepted, dst, num_tokens).flatten(),
+                       torch.where(accepted, src, num_tokens).flatten())
+        self.gather_index = index[:num_tokens]
+        moves = accepted & (src != dst)
+        return torch.where(moves, src, -1).flatten(), torch.where(moves, dst, -1).flatten()
+
+    def take_gather_index(self, num_tokens: int) -> torch.Tensor | None:
+        index, self.gather_index = self.gather_index, None
+        if index is None or index.numel() != num_tokens:
+            return None
+        return index
