@@ -1,0 +1,86 @@
+"""ddtree inside vLLM 0.32 (CPU): greedy outputs identical to decoding without speculation.
+
+Oracle: the same engine settings without a speculative config. 100% token equality.
+"""
+
+import pytest
+from vllm_utils import (
+    PROMPTS,
+    close,
+    ddtree_spec,
+    ddtree_state,
+    make_llm,
+    mean_acceptance_length,
+    spec_metrics,
+)
+
+from vllm import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+# prefix caching and chunked prefill on; 64-token chunks split the longer prompts
+ENGINE = dict(enable_prefix_caching=True, enable_chunked_prefill=True,
+              max_num_batched_tokens=256, max_num_seqs=8)
+
+
+def _token_ids(outputs):
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    llm = make_llm(None, **ENGINE)
+    ids = _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    close(llm)
+    return ids
+
+
+@pytest.mark.parametrize("budget", [1, 4, 16, 64])
+def test_greedy_outputs_identical(baseline, budget):
+    llm = make_llm(ddtree_spec(budget), **ENGINE)
+    # twice: the second pass hits the prefix cache built by the first
+    for _ in range(2):
+        assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == baseline
+    metrics = spec_metrics(llm)
+    assert metrics["vllm:spec_decode_num_drafts"] > 0
+    # accepted per position: a tree of B nodes accepts at most min(B, depth) per step
+    per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert sum(per_pos) == metrics["vllm:spec_decode_num_accepted_tokens"]
+    assert all(n == 0 for n in per_pos[budget:])
+    if budget >= 16:
+        assert mean_acceptance_length(metrics) > 1.3
+        assert ddtree_state(llm).num_compacted_slots > 0, "no accepted path needed compaction"
+    close(llm)
+
+
+def test_requests_arriving_while_others_run(baseline):
+    """Requests added between engine steps (staggered batches) still match plain decoding."""
+    llm = make_llm(ddtree_spec(16), **ENGINE)
+    engine = llm.llm_engine
+    pending = list(enumerate(PROMPTS))
+    done = {}
+    steps = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and steps % 3 == 0:
+            i, prompt = pending.pop(0)
+            engine.add_request(str(i), prompt, GREEDY)
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = list(out.outputs[0].token_ids)
+        steps += 1
+        assert steps < 2000
+    assert [done[i] for i in range(len(PROMPTS))] == baseline
+    close(llm)
+
+
+def test_preemption_with_a_small_kv_cache():
+    """A KV cache too small for the batch forces preemption and recomputation."""
+    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    small = dict(num_gpu_blocks_override=16, block_size=32, max_num_seqs=6, max_model_len=256,
+                 enable_prefix_caching=True, max_num_batched_tokens=512)
+    llm = make_llm(None, **small)
+    expect = _token_ids(llm.generate(PROMPTS, params, use_tqdm=False))
+    close(llm)
+    llm = make_llm(ddtree_spec(16), **small)
+    assert _token_ids(llm.generate(PROMPTS, params, use_tqdm=False)) == expect
+    assert spec_metrics(llm)["vllm:num_preemptions"] > 0, "the test did not preempt"
+    close(llm)

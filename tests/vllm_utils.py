@@ -1,0 +1,71 @@
+"""Helpers for end-to-end tests through the real vLLM engine (CPU, float32, in-process)."""
+
+import gc
+import os
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+PAIR = Path(__file__).resolve().parents[1] / "vllm_ddtree" / "assets" / "tiny_pair"
+TARGET = str(PAIR / "target")
+DRAFTER = str(PAIR / "drafter")
+
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n\ndef main(",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "    for i in range(",
+    "# Copyright (c) Python Software Foundation\n\"\"\"Utilities for ",
+    "x",
+]
+
+
+def ddtree_spec(budget: int, **extra) -> dict:
+    return {"method": "ddtree", "model": DRAFTER, "num_speculative_tokens": budget, **extra}
+
+
+def make_llm(speculative_config=None, **kwargs):
+    from vllm import LLM
+
+    args = dict(
+        model=TARGET,
+        dtype="float32",
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        max_model_len=512,
+        seed=0,
+        disable_log_stats=False,
+    )
+    args.update(kwargs)
+    return LLM(speculative_config=speculative_config, **args)
+
+
+def close(llm) -> None:
+    """Shut an engine down completely before the next one starts in this process."""
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def spec_metrics(llm) -> dict:
+    out = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode") or metric.name == "vllm:num_preemptions":
+            out[metric.name] = getattr(metric, "values", None) or getattr(metric, "value", None)
+    return out
+
+
+def mean_acceptance_length(metrics: dict) -> float:
+    drafts = metrics.get("vllm:spec_decode_num_drafts", 0)
+    accepted = metrics.get("vllm:spec_decode_num_accepted_tokens", 0)
+    return 1.0 + accepted / drafts if drafts else 1.0
+
+
+def ddtree_state(llm):
+    """The TreeState of the in-process engine's model runner."""
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    return runner.ddtree_state
