@@ -84,3 +84,11 @@ def test_preemption_with_a_small_kv_cache():
     assert _token_ids(llm.generate(PROMPTS, params, use_tqdm=False)) == expect
     assert spec_metrics(llm)["vllm:num_preemptions"] > 0, "the test did not preempt"
     close(llm)
+
+
+def test_hsd_chain_mode_greedy_identical(baseline):
+    """ddtree_mode "hsd_chain" (sampled chains + HSD) reduces to argmax chains at T = 0."""
+    llm = make_llm(ddtree_spec(4, ddtree_mode="hsd_chain"), **ENGINE)
+    assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == baseline
+    assert ddtree_state(llm).num_compacted_slots == 0  # chains never move K/V
+    close(llm)

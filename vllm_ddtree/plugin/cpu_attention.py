@@ -107,8 +107,8 @@ class DDTreeCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
         state = self.ddtree_state
-        if state is None or state.verify is None:
-            return meta
+        if state is None or state.verify is None or state.options.mode != "tree":
+            return meta  # no verify step, or chains (causal is exact)
         verify = state.verify
         requests = [
             (r, start, m)

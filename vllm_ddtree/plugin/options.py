@@ -5,7 +5,12 @@ User-facing keys (everything else passes through to vLLM's ``SpeculativeConfig``
     {"method": "ddtree",                 # this plugin
      "model": "<DFlash drafter>",        # directory or hub id in z-lab's format
      "num_speculative_tokens": 64,       # B: tree budget = draft nodes per request, 1..1024
-     "ddtree_depth": 15}                 # optional: L, default drafter block_size - 1
+     "ddtree_depth": 15,                 # optional: L, default drafter block_size - 1
+     "ddtree_mode": "tree"}              # optional: "tree" (default) or "hsd_chain"
+
+``"hsd_chain"`` drafts a chain of ``num_speculative_tokens`` (<= L) tokens SAMPLED from the
+drafter's distributions at each request's temperature and verifies it with the lossless HSD
+sampler (:func:`vllm_ddtree.sampling.hsd_verify`); greedy requests get argmax chains.
 
 Inside vLLM the method stays ``"dflash"`` (its DFlash drafter, model and KV plumbing are
 reused) and these options travel in ``additional_config["ddtree"]``.
@@ -16,7 +21,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 MAX_BUDGET = 1024  # the Triton kernels and the mask packing are tested up to 1024 nodes
-OPTION_KEYS = ("ddtree_depth",)
+OPTION_KEYS = ("ddtree_depth", "ddtree_mode")
+MODES = ("tree", "hsd_chain")
 ADDITIONAL_CONFIG_KEY = "ddtree"
 
 
@@ -28,6 +34,7 @@ class DDTreeConfigError(ValueError):
 class DDTreeOptions:
     budget: int  # B: draft nodes per request
     depth: int | None = None  # L; None = drafter block_size - 1 (filled in at engine start)
+    mode: str = "tree"  # "tree" | "hsd_chain"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,8 +80,11 @@ def split_speculative_config(spec: dict) -> tuple[dict, DDTreeOptions]:
             f"ddtree: ddtree_depth={depth!r} must be a positive integer no larger than the "
             "drafter's block_size - 1 (or leave it out)"
         )
+    mode = spec.pop("ddtree_mode", "tree")
+    if mode not in MODES:
+        raise DDTreeConfigError(f"ddtree: ddtree_mode={mode!r} must be one of {list(MODES)}")
     spec["method"] = "dflash"
-    return spec, DDTreeOptions(budget=budget, depth=depth)
+    return spec, DDTreeOptions(budget=budget, depth=depth, mode=mode)
 
 
 def resolve_depth(options: DDTreeOptions, drafter_block_size: int | None) -> DDTreeOptions:
@@ -85,11 +95,15 @@ def resolve_depth(options: DDTreeOptions, drafter_block_size: int | None) -> DDT
             "declares block_size >= 2 in its config.json"
         )
     max_depth = drafter_block_size - 1
-    if options.depth is None:
-        return DDTreeOptions(budget=options.budget, depth=max_depth)
-    if options.depth > max_depth:
+    if options.depth is not None and options.depth > max_depth:
         raise DDTreeConfigError(
             f"ddtree: ddtree_depth={options.depth} exceeds the drafter's block_size - 1 = "
             f"{max_depth}; lower it or leave it out"
         )
-    return options
+    depth = max_depth if options.depth is None else options.depth
+    if options.mode == "hsd_chain" and options.budget > depth:
+        raise DDTreeConfigError(
+            f"ddtree: ddtree_mode 'hsd_chain' drafts one token per depth, so "
+            f"num_speculative_tokens={options.budget} must be <= the depth {depth}"
+        )
+    return DDTreeOptions(budget=options.budget, depth=depth, mode=options.mode)

@@ -18,8 +18,10 @@ from __future__ import annotations
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree.plugin.state import TreeState
-from vllm_ddtree.tree import DraftTree, build_tree
+from vllm_ddtree.plugin.sampler import sampling_batch
+from vllm_ddtree.plugin.state import TreeState, chain_parents
+from vllm_ddtree.sampling import sample_from_probs
+from vllm_ddtree.tree import DraftTree, _ancestor_mask, build_tree
 
 
 class DDTreeProposer(DFlashProposer):
@@ -36,6 +38,7 @@ class DDTreeProposer(DFlashProposer):
         self.ddtree_state = state
         self._runner = runner
         self._pending_tree: DraftTree | None = None
+        self._pending_probs: torch.Tensor | None = None
 
     def propose(self, num_speculative_tokens, *args, **kwargs) -> torch.Tensor:
         """Draft one tree per request; returns ``[R, B]`` node tokens in best-first order."""
@@ -46,7 +49,8 @@ class DDTreeProposer(DFlashProposer):
         assert tree is not None, "DFlash did not sample draft tokens"
         self._pending_tree = None
         num_reqs = tree.token_ids.shape[0]
-        state.record_proposal(list(self._runner.input_batch.req_ids[:num_reqs]), tree)
+        state.record_proposal(list(self._runner.input_batch.req_ids[:num_reqs]), tree,
+                              self._pending_probs)
         # Zero-probability padding nodes (-1) go to the scheduler as token 0; the verify step
         # restores their -1 from the recorded tree, so they are never accepted.
         return tree.token_ids.clamp(min=0)
@@ -84,5 +88,43 @@ class DDTreeProposer(DFlashProposer):
         depth = self.ddtree_state.depth
         logits = self.model.compute_logits(hidden_states)  # [R * L, V]
         num_reqs = logits.shape[0] // depth
-        self._pending_tree = build_tree(logits.view(num_reqs, depth, -1), self.ddtree_state.budget)
+        logits = logits.view(num_reqs, depth, -1)
+        if self.ddtree_state.options.mode == "hsd_chain":
+            self._pending_tree, self._pending_probs = self._sample_chain(logits, sampling_metadata)
+        else:
+            self._pending_tree = build_tree(logits, self.ddtree_state.budget)
+            self._pending_probs = None
         return torch.zeros(num_reqs * depth, dtype=torch.int64, device=logits.device), None
+
+    def _sample_chain(self, logits: torch.Tensor, sampling_metadata):
+        """hsd_chain: ``[R, L, V]`` -> a chain of B tokens sampled from softmax(logits / T).
+
+        Greedy requests get the argmax chain with a one-hot draft law (HSD then reduces to the
+        walk). Returns the chain as a DraftTree and the draft law ``[R, B, V]`` float32.
+        """
+        budget = self.ddtree_state.budget
+        logits = logits[:, :budget].float()
+        num_reqs = logits.shape[0]
+        greedy_ids = logits.argmax(dim=-1)
+        probs = torch.nn.functional.one_hot(greedy_ids, logits.shape[-1]).float()
+        tokens = greedy_ids
+        sampling = sampling_batch(sampling_metadata)
+        if sampling is not None:
+            temperature = torch.where(sampling.is_greedy, 1.0, sampling.temperature.float())
+            sampled_probs = (logits / temperature[:, None, None]).softmax(dim=-1)
+            sampled = sample_from_probs(sampled_probs, sampling.generators)
+            random_rows = ~sampling.is_greedy[:, None]
+            tokens = torch.where(random_rows, sampled, greedy_ids)
+            probs = torch.where(random_rows[:, :, None], sampled_probs, probs)
+        parents = chain_parents(num_reqs, budget, logits.device)
+        depths = torch.arange(1, budget + 1, device=logits.device).expand(num_reqs, budget)
+        tree = DraftTree(
+            token_ids=tokens,
+            parents=parents,
+            depths=depths,
+            scores=torch.zeros(num_reqs, budget, device=logits.device),
+            num_nodes=torch.full((num_reqs,), budget, device=logits.device),
+            ancestor_mask=_ancestor_mask(parents, budget),
+            max_depth=budget,
+        )
+        return tree, probs

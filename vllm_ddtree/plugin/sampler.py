@@ -15,7 +15,7 @@ from torch import nn
 from vllm.v1.outputs import SamplerOutput
 
 from vllm_ddtree.plugin.state import TreeState
-from vllm_ddtree.sampling import SamplingBatch
+from vllm_ddtree.sampling import SamplingBatch, hsd_verify, target_probs_from_logits
 from vllm_ddtree.walk import verify_tree
 
 
@@ -62,10 +62,19 @@ class TreeRejectionSampler(nn.Module):
             start += m + 1
         rows = torch.tensor(row_of, dtype=torch.int64, device=logits.device)
         padded = logits[rows.clamp(min=0)]  # [R, B + 1, V]; padding rows are never reached
-        verdict = verify_tree(tree, padded, sampling_batch(sampling_metadata))
+        sampling = sampling_batch(sampling_metadata)
+        verdict = verify_tree(tree, padded, sampling)
         out_width = metadata.max_spec_len + 1
-        out = torch.full((num_reqs, out_width), -1, dtype=torch.int32, device=logits.device)
+        out = torch.full((num_reqs, out_width), -1, dtype=torch.int64, device=logits.device)
         keep = min(out_width, verdict.output_tokens.shape[1])
-        out[:, :keep] = verdict.output_tokens[:, :keep].to(torch.int32)
+        out[:, :keep] = verdict.output_tokens[:, :keep]
         state.verdict = verdict
-        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
+        if state.options.mode == "hsd_chain" and verify.draft_probs is not None:
+            # Sampled chains: HSD where the drafts are the proposal at full length; the walk
+            # (above) for placeholder or truncated rows. Chains need no K/V compaction.
+            use_hsd = verify.matched & (tree.num_nodes == width)
+            _, hsd_out = hsd_verify(tree.token_ids.clamp(min=0), verify.draft_probs,
+                                    target_probs_from_logits(padded, sampling))
+            out = torch.where(use_hsd[:, None], hsd_out[:, :out_width], out)
+            state.verdict = None
+        return SamplerOutput(sampled_token_ids=out.to(torch.int32), logprobs_tensors=None)

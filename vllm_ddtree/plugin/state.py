@@ -31,6 +31,8 @@ class VerifyBatch:
     num_draft: list[int]  # m_r, host
     query_start: list[int]  # first query row of each request in the flat batch, host
     num_tokens: int  # T, scheduled tokens in the step
+    matched: torch.Tensor  # [R] bool: the drafts are the tree proposed for this request
+    draft_probs: torch.Tensor | None = None  # [R, B, V] drafter law of sampled chains (hsd_chain)
 
 
 def chain_parents(num_rows: int, width: int, device: torch.device) -> torch.Tensor:
@@ -63,6 +65,7 @@ class TreeState:
         self.device = device
         self._proposed_rows: dict[str, int] = {}
         self._proposed: DraftTree | None = None
+        self._proposed_probs: torch.Tensor | None = None
         self.verify: VerifyBatch | None = None
         self.chain_positions: torch.Tensor | None = None  # [T] positions before the depth shift
         self.verdict: TreeVerdict | None = None
@@ -77,10 +80,13 @@ class TreeState:
     def depth(self) -> int:
         return self.options.depth
 
-    def record_proposal(self, req_ids: list[str], tree: DraftTree) -> None:
-        """Keep the trees drafted for ``req_ids`` (row r of ``tree`` is ``req_ids[r]``)."""
+    def record_proposal(self, req_ids: list[str], tree: DraftTree,
+                        draft_probs: torch.Tensor | None = None) -> None:
+        """Keep the trees drafted for ``req_ids`` (row r of ``tree`` is ``req_ids[r]``), and for
+        sampled chains the drafter law they were drawn from (``[R, B, V]``)."""
         self._proposed_rows = {req_id: row for row, req_id in enumerate(req_ids)}
         self._proposed = tree
+        self._proposed_probs = draft_probs
 
     def begin_verify(
         self,
@@ -111,6 +117,8 @@ class TreeState:
         scheduled = torch.where(in_draft, flat_drafts[flat_index], -1)
         parents = chain_parents(num_rows, width, device)
         tokens = scheduled
+        matched = torch.zeros(num_rows, dtype=torch.bool, device=device)
+        draft_probs = None
         proposed = self._proposed
         if proposed is not None and proposed.max_budget == width:
             rows = torch.tensor(
@@ -121,9 +129,11 @@ class TreeState:
             p_parents = proposed.parents[rows.clamp(min=0)]
             # the proposal's tokens as the scheduler saw them (zero-probability padding -> 0)
             same = (torch.where(in_draft, p_tokens.clamp(min=0), -1) == scheduled).all(dim=1)
-            use_tree = ((rows >= 0) & same)[:, None]
-            parents = torch.where(use_tree, p_parents, parents)
-            tokens = torch.where(use_tree, p_tokens, scheduled)
+            matched = (rows >= 0) & same
+            parents = torch.where(matched[:, None], p_parents, parents)
+            tokens = torch.where(matched[:, None], p_tokens, scheduled)
+            if self._proposed_probs is not None:
+                draft_probs = self._proposed_probs[rows.clamp(min=0)]
         tokens = torch.where(in_draft, tokens, -1)
         parents = torch.where(in_draft, parents, -1)
         tree = DraftTree(
@@ -136,7 +146,8 @@ class TreeState:
             max_depth=width,
         )
         self.verify = VerifyBatch(tree=tree, num_draft=list(num_draft),
-                                  query_start=list(query_start), num_tokens=num_tokens)
+                                  query_start=list(query_start), num_tokens=num_tokens,
+                                  matched=matched, draft_probs=draft_probs)
         self.verdict = None
         self.gather_index = None
         return self.verify
