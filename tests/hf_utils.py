@@ -34,3 +34,11 @@ def tiny_drafter(target, block_size: int = 4, layers: int = 1, std: float = 0.2,
     drafter = DFlashDrafter(cfg)
     init_weights(drafter, std, torch.Generator().manual_seed(seed))
     return drafter.float().eval()
+
+
+def one_thread():
+    """Tiny models run fastest on one thread (and do not fight other processes for the cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

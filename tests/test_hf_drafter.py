@@ -6,10 +6,13 @@ import os
 import pytest
 import torch
 
-from hf_utils import tiny_drafter, tiny_target
+from hf_utils import one_thread, tiny_drafter, tiny_target
 from vllm_ddtree.hf.drafter import DFlashDrafter, DrafterCache, DrafterConfig, default_target_layer_ids
 
 dflash_model = pytest.importorskip("dflash.model")
+
+
+_threads = pytest.fixture(scope="module", autouse=True)(one_thread)
 
 
 def reference(drafter: DFlashDrafter):
