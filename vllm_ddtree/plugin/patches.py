@@ -313,16 +313,21 @@ def _wrap_prepare_inputs(original):
     return _prepare_inputs
 
 
-def _target_kv_caches(runner) -> list:
-    """Per-layer KV tensors of the target's attention layers (drafter layers excluded)."""
+def _target_kv_caches_by_group(runner) -> list[tuple[int, list]]:
+    """``(kv-cache group id, per-layer KV tensors)`` of the target's attention layers.
+
+    Drafter layers are excluded: DFlash rewrites their context K/V from the gathered hidden
+    states at chain positions every step.
+    """
     forward_context = runner.compilation_config.static_forward_context
     drafter_layers = set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ())
-    caches = []
-    for group in runner.kv_cache_config.kv_cache_groups:
-        for name in group.layer_names:
-            if name not in drafter_layers:
-                caches.append(forward_context[name].kv_cache)
-    return caches
+    groups = []
+    for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+        caches = [forward_context[name].kv_cache for name in group.layer_names
+                  if name not in drafter_layers]
+        if caches:
+            groups.append((gid, caches))
+    return groups
 
 
 def _wrap_sample(original):
@@ -332,18 +337,18 @@ def _wrap_sample(original):
         state = getattr(self, "ddtree_state", None)
         if state is None or spec_decode_metadata is None or state.verdict is None:
             return output
+        import torch
+
         from vllm_ddtree.plugin.cpu_attention import compact_cpu_kv
 
         src_rows, dst_rows = state.finish_verify(state.verdict)
-        if len(self.kv_cache_config.kv_cache_groups) != 1:
-            raise NotImplementedError("ddtree supports targets with one KV-cache group")
         num_tokens = state.verify.num_tokens
-        slot_mapping = self.input_batch.block_table[0].slot_mapping.gpu[:num_tokens]
-        src = slot_mapping[src_rows.clamp(min=0)].to(src_rows.dtype)
-        dst = slot_mapping[dst_rows.clamp(min=0)].to(dst_rows.dtype)
-        src = src.masked_fill(src_rows < 0, -1)
-        dst = dst.masked_fill(dst_rows < 0, -1)
-        state.num_compacted_slots += compact_cpu_kv(_target_kv_caches(self), src, dst)
+        for gid, caches in _target_kv_caches_by_group(self):
+            # query row -> KV slot of this group (each group has its own block table)
+            slot_mapping = self.input_batch.block_table[gid].slot_mapping.gpu[:num_tokens]
+            src = slot_mapping[src_rows.clamp(min=0)].to(torch.int64).masked_fill(src_rows < 0, -1)
+            dst = slot_mapping[dst_rows.clamp(min=0)].to(torch.int64).masked_fill(dst_rows < 0, -1)
+            state.num_compacted_slots += compact_cpu_kv(caches, src, dst)
         state.verify = None  # a later dummy run must not see this step's trees
         return output
 
