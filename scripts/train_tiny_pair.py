@@ -11,8 +11,11 @@ Everything runs on the CPU from data every machine has (the interpreter's stdlib
    as a chat (user = the opening lines, assistant = the rest) so chat prompts stay in domain.
 3. drafter: DFlash (1 layer, block_size 8, target_layer_ids [1, 2]) trained against the FROZEN
    target: for anchors a in a window, the block [x_a, mask x 7] at positions a..a+7 attends to the
-   target features of positions < a; its position k output is distilled (soft cross-entropy) onto
-   the target's next-token distribution at position a + k - 1, weighted exp(-(k - 1) / 4).
+   target features of positions < a; its position k output is trained (cross-entropy) onto
+   the target's next-token ARGMAX at position a + k - 1 (``--drafter-loss hard``, the default: it makes
+   q calibrated for greedy verification, which DDTree's tree relies on; ``soft`` distils the whole
+   distribution and gave an under-confident drafter whose B=64 tree lost to the chain at T=0),
+   weighted exp(-(k - 1) / 4).
    All anchors of a window run in one pass with a block-diagonal mask (DFlash's training recipe).
 
 Usage::
@@ -190,7 +193,7 @@ def train_target(cfg, train_ids, eval_ids, steps: int, batch: int, seed: int):
 # --------------------------------------------------------------------------------------------
 # drafter
 # --------------------------------------------------------------------------------------------
-def drafter_batch(target, drafter, x: torch.Tensor, num_anchors: int, gen: torch.Generator):
+def drafter_batch(target, drafter, x: torch.Tensor, num_anchors: int, gen: torch.Generator, loss_kind: str = "hard"):
     """One training pass: all anchors of every window in one block-diagonal forward.
 
     Returns (loss, top-1 agreement with the target at block position 1).
@@ -225,14 +228,17 @@ def drafter_batch(target, drafter, x: torch.Tensor, num_anchors: int, gen: torch
     rows = (anchors[:, :, None] + torch.arange(L)).view(b, A * L)  # teacher row a + k - 1
     p_log = teacher.gather(1, rows[:, :, None].expand(-1, -1, teacher.shape[-1])).view(b, A, L, -1)
     q_log = F.log_softmax(logits, dim=-1)
-    ce = -(p_log.exp() * q_log).sum(-1)  # [b, A, L]
+    if loss_kind == "hard":  # cross-entropy on the target's argmax (what T=0 verification accepts)
+        ce = -q_log.gather(-1, p_log.argmax(-1, keepdim=True)).squeeze(-1)  # [b, A, L]
+    else:  # soft: cross-entropy against the target's whole next-token distribution
+        ce = -(p_log.exp() * q_log).sum(-1)  # [b, A, L]
     weight = torch.exp(-torch.arange(L, dtype=torch.float32) / 4.0)
     loss = (ce * weight).sum(-1).mean() / weight.sum()
     agree = (q_log.argmax(-1) == p_log.argmax(-1)).float().mean(dim=(0, 1))  # [L]
     return loss, agree
 
 
-def train_drafter(target, dcfg, train_ids, eval_ids, steps, batch, anchors, seed):
+def train_drafter(target, dcfg, train_ids, eval_ids, steps, batch, anchors, seed, loss_kind):
     torch.manual_seed(seed)
     drafter = DFlashDrafter(dcfg)
     init_weights(drafter, 0.02, torch.Generator().manual_seed(seed))
@@ -247,7 +253,7 @@ def train_drafter(target, dcfg, train_ids, eval_ids, steps, batch, anchors, seed
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, 2e-3)
         x = windows(train_ids, batch, gen)
-        loss, agree = drafter_batch(target, drafter, x, anchors, gen)
+        loss, agree = drafter_batch(target, drafter, x, anchors, gen, loss_kind)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -256,7 +262,8 @@ def train_drafter(target, dcfg, train_ids, eval_ids, steps, batch, anchors, seed
         progress("drafter", step + 1, steps, t0, f"loss {loss_avg:.3f} top1@1 {agree[0]:.2f}")
     drafter.eval()
     with torch.no_grad():
-        loss, agree = drafter_batch(target, drafter, eval_windows(eval_ids, 16), anchors, torch.Generator().manual_seed(0))
+        loss, agree = drafter_batch(target, drafter, eval_windows(eval_ids, 16), anchors,
+                                    torch.Generator().manual_seed(0), loss_kind)
     return drafter, loss.item(), agree.tolist(), time.time() - t0
 
 
@@ -265,9 +272,13 @@ def main() -> None:
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab-size", type=int, default=4096)
-    ap.add_argument("--target-steps", type=int, default=1500)
+    ap.add_argument("--target-steps", type=int, default=240)
     ap.add_argument("--target-batch", type=int, default=16)
-    ap.add_argument("--drafter-steps", type=int, default=1200)
+    ap.add_argument("--drafter-steps", type=int, default=300)
+    ap.add_argument("--drafter-loss", choices=["hard", "soft"], default="hard",
+                    help="hard: CE on the target's argmax (calibrated for T=0 trees); soft: CE on its distribution")
+    ap.add_argument("--drafter-only", action="store_true",
+                    help="reuse the tokenizer and target already in --out, train only the drafter")
     ap.add_argument("--drafter-batch", type=int, default=8)
     ap.add_argument("--anchors", type=int, default=16, help="blocks per 256-token window")
     ap.add_argument("--block-size", type=int, default=8)
@@ -281,23 +292,35 @@ def main() -> None:
     os.makedirs(tgt_dir, exist_ok=True)
 
     train_texts, eval_texts = read_split("train"), read_split("eval")
-    tokenizer = build_tokenizer(tgt_dir, args.vocab_size, train_texts[::4])
+    if args.drafter_only:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tgt_dir)
+    else:
+        tokenizer = build_tokenizer(tgt_dir, args.vocab_size, train_texts[::4])
     train_ids = encode_corpus(tokenizer, train_texts, chat_every=4)
     eval_ids = encode_corpus(tokenizer, eval_texts, chat_every=4)
     print(f"tokenizer: vocab {len(tokenizer)}, train {train_ids.numel()} tokens, eval {eval_ids.numel()} "
           f"tokens ({time.time() - t_start:.0f}s)")
 
     cfg = target_config(tokenizer)
-    target, target_eval_loss, t_target = train_target(
-        cfg, train_ids, eval_ids, args.target_steps, args.target_batch, args.seed
-    )
-    target.save_pretrained(tgt_dir, safe_serialization=True)
-    # store bf16 weights (the committed pair must stay small); loaders upcast with dtype=float32
-    from safetensors.torch import load_file, save_file
+    if args.drafter_only:
+        from transformers import AutoModelForCausalLM
 
-    path = os.path.join(tgt_dir, "model.safetensors")
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(path).items()}, path,
-              metadata={"format": "pt"})
+        target = AutoModelForCausalLM.from_pretrained(tgt_dir, dtype=torch.float32, attn_implementation="sdpa")
+        previous = json.load(open(os.path.join(args.out, "train_report.json")))
+        target_eval_loss, t_target = previous["target_heldout_loss"], previous["train_seconds"]["target"]
+    else:
+        target, target_eval_loss, t_target = train_target(
+            cfg, train_ids, eval_ids, args.target_steps, args.target_batch, args.seed
+        )
+        target.save_pretrained(tgt_dir, safe_serialization=True)
+        # store bf16 weights (the committed pair must stay small); loaders upcast with dtype=float32
+        from safetensors.torch import load_file, save_file
+
+        path = os.path.join(tgt_dir, "model.safetensors")
+        save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(path).items()}, path,
+                  metadata={"format": "pt"})
     print(f"target: {sum(p.numel() for p in target.parameters()) / 1e6:.2f}M params, held-out loss "
           f"{target_eval_loss:.3f} ({t_target:.0f}s)")
 
@@ -320,7 +343,8 @@ def main() -> None:
         max_position_embeddings=cfg.max_position_embeddings,
     )
     drafter, drafter_eval_loss, agree, t_drafter = train_drafter(
-        target, dcfg, train_ids, eval_ids, args.drafter_steps, args.drafter_batch, args.anchors, args.seed
+        target, dcfg, train_ids, eval_ids, args.drafter_steps, args.drafter_batch, args.anchors, args.seed,
+        args.drafter_loss,
     )
     drafter.save_pretrained(drf_dir, dtype=torch.bfloat16)
     print(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, held-out soft-CE "
