@@ -120,7 +120,7 @@ def exact_law_of_tokens_2_3(target, ids, temperature, top_k):
 @pytest.mark.parametrize("method", ["ddtree", "chain_hsd", "chain_tokenwise"])
 def test_sampled_outputs_follow_target_law(method):
     """Tokens 2 and 3 come out of the first verification round. Chi-square over the cells of
-    expected count >= 5 (the rest merged), N = 1000 draws, fixed seed; we require p > 1e-3
+    expected count >= 5 (the rest merged), N = 2000 draws, fixed seed; we require p > 1e-3
     (a correct engine fails with probability 1e-3; a biased one, e.g. accepting with the
     uncapped ratio or a wrong residual, gives p ~ 0 at this N)."""
     from scipy.stats import chisquare
@@ -132,7 +132,7 @@ def test_sampled_outputs_follow_target_law(method):
     law = exact_law_of_tokens_2_3(target, ids, temperature, top_k).flatten()
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    N = 1000
+    N = 2000
     counts = torch.zeros(64, dtype=torch.float64)
     for _ in range(N):
         out = generate(target, drafter, ids, method=method, budget=6, temperature=temperature, top_k=top_k,
