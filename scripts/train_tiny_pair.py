@@ -347,14 +347,14 @@ def main() -> None:
         args.drafter_loss,
     )
     drafter.save_pretrained(drf_dir, dtype=torch.bfloat16)
-    print(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, held-out soft-CE "
+    print(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, held-out CE "
           f"{drafter_eval_loss:.3f}, top-1 agreement by depth {[round(a, 2) for a in agree]} ({t_drafter:.0f}s)")
 
     report = {
         "seed": args.seed,
         "args": vars(args) | {"out": None},
         "target_heldout_loss": target_eval_loss,
-        "drafter_heldout_soft_ce": drafter_eval_loss,
+        "drafter_heldout_ce": drafter_eval_loss,
         "drafter_top1_agreement_by_depth": agree,
         "train_seconds": {"target": t_target, "drafter": t_drafter},
     }
