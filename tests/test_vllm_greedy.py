@@ -34,7 +34,7 @@ def baseline():
     return ids
 
 
-@pytest.mark.parametrize("budget", [1, 4, 16, 64])
+@pytest.mark.parametrize("budget", [1, 4, 16, 64, 256])
 def test_greedy_outputs_identical(baseline, budget):
     llm = make_llm(ddtree_spec(budget), **ENGINE)
     # twice: the second pass hits the prefix cache built by the first

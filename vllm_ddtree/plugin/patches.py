@@ -13,7 +13,9 @@ must exist with the parameters it expects.
 5. ``GPUModelRunner.__init__``: install the tree proposer, the tree sampler and the state.
 6. ``GPUModelRunner._prepare_inputs``: build the verify trees; depth positions in place.
 7. ``GPUModelRunner._sample``: after the walk, compact the accepted path's K/V.
-8. ``CPU_ATTN`` backend override: tree attention on the CPU (stock behaviour otherwise).
+8. ``GPUModelRunner._input_fits_in_drafter``: the drafter needs depth + 1 slots past the
+   committed tokens, not budget + 1 past every verified node.
+9. ``CPU_ATTN`` backend override: tree attention on the CPU (stock behaviour otherwise).
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ def install() -> None:
     prepare_inputs = _require(GPUModelRunner, "_prepare_inputs",
                               ("scheduler_output", "num_scheduled_tokens"))
     sample = _require(GPUModelRunner, "_sample", ("logits", "spec_decode_metadata"))
+    fits = _require(GPUModelRunner, "_input_fits_in_drafter", ("common_attn_metadata",))
 
     EngineArgs.create_speculative_config = _wrap_create_speculative_config(create_spec)
     VllmConfig._get_v2_model_runner_unsupported_features = _wrap_v2_unsupported(v2_unsupported)
@@ -93,6 +96,7 @@ def install() -> None:
     GPUModelRunner.__init__ = _wrap_runner_init(runner_init)
     GPUModelRunner._prepare_inputs = _wrap_prepare_inputs(prepare_inputs)
     GPUModelRunner._sample = _wrap_sample(sample)
+    GPUModelRunner._input_fits_in_drafter = _wrap_input_fits_in_drafter(fits)
     register_backend(
         AttentionBackendEnum.CPU_ATTN, "vllm_ddtree.plugin.cpu_attention.DDTreeCPUBackend"
     )
@@ -353,3 +357,23 @@ def _wrap_sample(original):
         return output
 
     return _sample
+
+
+def _wrap_input_fits_in_drafter(original):
+    @functools.wraps(original)
+    def _input_fits_in_drafter(self, common_attn_metadata):
+        state = getattr(self, "ddtree_state", None)
+        if state is None or common_attn_metadata is None:
+            return original(self, common_attn_metadata)
+        # committed after this step <= seq_len - m + min(m, L); the drafter adds L + 1 queries
+        seq_lens = common_attn_metadata.seq_lens_cpu_upper_bound
+        if seq_lens is None:
+            seq_lens = common_attn_metadata.seq_lens.cpu()
+        seq_lens = seq_lens.tolist()[: common_attn_metadata.num_reqs]
+        num_draft = state.last_num_draft or [0] * len(seq_lens)
+        longest = max(
+            (n - m + min(m, state.depth) for n, m in zip(seq_lens, num_draft)), default=0
+        )
+        return longest + state.depth + 1 <= self.effective_drafter_max_model_len
+
+    return _input_fits_in_drafter

@@ -71,6 +71,7 @@ class TreeState:
         self.verdict: TreeVerdict | None = None
         self.gather_index: torch.Tensor | None = None  # [T] hidden-state rows for the drafter
         self.num_compacted_slots = 0  # K/V slots moved by compaction (tests, diagnostics)
+        self.last_num_draft: list[int] = []  # m_r of the latest verify step, host
 
     @property
     def budget(self) -> int:
@@ -145,6 +146,7 @@ class TreeState:
             ancestor_mask=_ancestor_mask(parents, width),
             max_depth=width,
         )
+        self.last_num_draft = list(num_draft)
         self.verify = VerifyBatch(tree=tree, num_draft=list(num_draft),
                                   query_start=list(query_start), num_tokens=num_tokens,
                                   matched=matched, draft_probs=draft_probs)
@@ -153,6 +155,7 @@ class TreeState:
         return self.verify
 
     def end_step_without_verify(self) -> None:
+        self.last_num_draft = []
         self.verify = None
         self.verdict = None
         self.gather_index = None
