@@ -8,7 +8,7 @@ Prints a table, writes JSON and a PNG (tau vs budget) to benchmarks/results/.
 
 Usage::
 
-    .venv/bin/python benchmarks/acceptance.py                    # ~3-6 min on 2 CPU cores
+    .venv/bin/python benchmarks/acceptance.py                    # ~2-5 min on 2 CPU cores (8 prompts x 48 tokens)
     .venv/bin/python benchmarks/acceptance.py --num-prompts 4 --max-new-tokens 32 --budgets 4 64
     .venv/bin/python benchmarks/acceptance.py --vllm             # adds the vLLM rows
 """
@@ -131,9 +131,9 @@ def plot(rows: list[dict], path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", default=PAIR)
-    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--budgets", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64, 128])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--seed", type=int, default=0)

@@ -10,7 +10,7 @@ Usage::
 
     .venv/bin/python scripts/demo.py                       # DDTree, budget 32
     .venv/bin/python scripts/demo.py --method dflash       # vLLM's own DFlash chain (7 drafts)
-    .venv/bin/python scripts/demo.py --prompt "def fibonacci(n):" --max-tokens 96
+    .venv/bin/python scripts/demo.py --prompt "def fibonacci(n):" --max-tokens 96 --temperature 0
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAIR = os.path.join(REPO, "vllm_ddtree", "assets", "tiny_pair")
-DEFAULT_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Parse the command line and run.\"\"\""
+DEFAULT_PROMPT = "class Stack:\n    def __init__(self):"
+# NOTE: the tiny target (2.4M parameters, ~1M training tokens) writes Python-looking text when sampled;
+# greedy decoding mostly degenerates into blank lines (high acceptance, dull answer), hence T = 0.7.
 SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
@@ -106,7 +108,8 @@ def stop_server(proc: subprocess.Popen, grace: float = 20.0) -> None:
 
 
 def run_demo(pair: str = PAIR, method: str = "ddtree", num_spec: int | None = None, prompt: str = DEFAULT_PROMPT,
-             max_tokens: int = 64, startup_timeout: float = 300.0, verbose: bool = True) -> dict:
+             max_tokens: int = 64, startup_timeout: float = 300.0, verbose: bool = True,
+             temperature: float = 0.7, top_p: float = 0.95, seed: int = 0) -> dict:
     """Start the server, chat once, scrape /metrics, stop the server. Returns a summary dict."""
     from openai import OpenAI
 
@@ -128,7 +131,8 @@ def run_demo(pair: str = PAIR, method: str = "ddtree", num_spec: int | None = No
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="EMPTY")
         t1 = time.time()
         reply = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0.0
+            model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+            temperature=temperature, top_p=top_p, seed=seed,
         )
         latency = time.time() - t1
         metrics = scrape_spec_metrics(port)
@@ -152,14 +156,18 @@ def main() -> None:
     ap.add_argument("--num-spec", type=int, default=None, help="tree budget (ddtree, default 32) or chain length")
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     args = ap.parse_args()
-    r = run_demo(args.pair, args.method, args.num_spec, args.prompt, args.max_tokens, args.startup_timeout)
+    r = run_demo(args.pair, args.method, args.num_spec, args.prompt, args.max_tokens, args.startup_timeout,
+                 temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     m = r["metrics"]
     print("\n=== prompt ===\n" + args.prompt)
     print("=== answer ===\n" + (r["answer"] or ""))
     print("=== speculative decoding ===")
-    print(f"method {r['method']}, num_speculative_tokens {r['num_speculative_tokens']}, "
+    print(f"method {r['method']}, num_speculative_tokens {r['num_speculative_tokens']}, T={args.temperature:g}, "
           f"{r['completion_tokens']} tokens in {r['latency_s']:.2f}s")
     print(f"drafts (verify steps) {m['num_drafts']:.0f}, draft tokens {m['num_draft_tokens']:.0f}, "
           f"accepted {m['num_accepted_tokens']:.0f}")
