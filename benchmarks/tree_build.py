@@ -136,7 +136,7 @@ def main() -> None:
     print(header)
     for batch in args.batches:
         logits = (torch.randn(batch, args.depth, args.vocab, device=device, generator=gen) * 4).to(dtype)
-        greedy = SamplingBatch(temperature=torch.zeros(batch, device=device))
+        greedy = None  # all-greedy batches pass None (vLLM's all_greedy): argmax only
         random = SamplingBatch(temperature=torch.ones(batch, device=device))
         for budget in args.budgets:
             row = {"batch": batch, "budget": budget}
