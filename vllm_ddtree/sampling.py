@@ -228,9 +228,12 @@ def hsd_stop_probabilities(
     return h, residual
 
 
-def _chain_output(draft_token_ids, num_accepted, next_token) -> torch.Tensor:
-    """``[batch, g + 1]``: accepted drafts, then ``next_token``, then -1."""
+def _finish_chain(draft_token_ids, num_accepted, residual, generator) -> torch.Tensor:
+    """Draw the next token from ``residual[r, num_accepted[r]]`` (unnormalised) and lay out
+    ``[batch, g + 1]``: accepted drafts, then that token, then -1."""
     batch, g = draft_token_ids.shape
+    dist = residual.gather(1, num_accepted[:, None, None].expand(-1, 1, residual.shape[2]))
+    next_token = sample_from_probs(dist.squeeze(1).float(), generator=generator)
     cols = torch.arange(g + 1, device=draft_token_ids.device)
     padded = torch.cat([draft_token_ids.long(), draft_token_ids.new_zeros(batch, 1).long()], dim=1)
     out = torch.where(cols < num_accepted[:, None], padded, PLACEHOLDER_TOKEN_ID)
@@ -258,9 +261,7 @@ def hsd_verify(
     stop[:, 0] = True
     levels = torch.arange(g + 1, device=h.device)
     num_accepted = torch.where(stop, levels, 0).amax(dim=1)  # deepest level that stops
-    dist = residual.gather(1, num_accepted[:, None, None].expand(-1, 1, residual.shape[2]))
-    next_token = sample_from_probs(dist.squeeze(1).float(), generator=generator)
-    return num_accepted, _chain_output(draft_token_ids, num_accepted, next_token)
+    return num_accepted, _finish_chain(draft_token_ids, num_accepted, residual, generator)
 
 
 def tokenwise_verify(
@@ -282,6 +283,4 @@ def tokenwise_verify(
     num_accepted = accepted.sum(dim=1)
     residual = torch.clamp(target_probs[:, :g].double() - draft_probs.double(), min=0.0)
     residual = torch.cat([residual, target_probs[:, g:].double()], dim=1)
-    dist = residual.gather(1, num_accepted[:, None, None].expand(-1, 1, residual.shape[2]))
-    next_token = sample_from_probs(dist.squeeze(1).float(), generator=generator)
-    return num_accepted, _chain_output(draft_token_ids, num_accepted, next_token)
+    return num_accepted, _finish_chain(draft_token_ids, num_accepted, residual, generator)
