@@ -99,6 +99,9 @@ def test_bad_inputs_raise():
         drafter(torch.randn(1, 3, 128), torch.randn(1, 4, 64), torch.arange(6)[None])
     with pytest.raises(ValueError, match="hidden states"):
         drafter.context_features([torch.randn(1, 2, 64)] * 2)
+    with pytest.raises(ValueError, match="output_multiplier"):
+        DrafterConfig.from_dict(drafter.config.to_dict() | {"output_multiplier": 2.0})
+    DrafterConfig.from_dict(drafter.config.to_dict() | {"output_multiplier": 1.0, "final_logit_softcapping": None})
     with pytest.raises(ValueError, match="sliding-window"):
         DrafterConfig.from_dict(drafter.config.to_dict() | {"layer_types": ["sliding_attention"]})
 

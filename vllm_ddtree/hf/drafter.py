@@ -79,6 +79,11 @@ class DrafterConfig:
         rope_type = rope.get("rope_type", "default")
         if rope_type != "default" or raw.get("rope_scaling"):
             raise ValueError(f"rope_type={rope_type!r}: only plain RoPE drafters are supported")
+        for key, neutral in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0),
+                             ("final_logit_softcapping", None)):
+            value = dflash.get(key, raw.get(key, neutral))
+            if value not in (neutral, 0, 0.0) or (neutral == 1.0 and value != 1.0):
+                raise ValueError(f"{key}={value!r}: not supported by this drafter (expected {neutral!r})")
         layer_types = raw.get("layer_types")
         if layer_types and set(layer_types) != {"full_attention"}:
             raise ValueError(f"{layer_types=}: sliding-window drafters are not supported")
