@@ -124,7 +124,14 @@ def _wrap_create_speculative_config(original):
             )
         self.async_scheduling = False
         self.speculative_config = dflash_spec
-        config = original(self, target_model_config, target_parallel_config)
+        try:
+            config = original(self, target_model_config, target_parallel_config)
+        except Exception:
+            # vLLM rejects a non-DFlash drafter with a dump of its model registry: name the fix
+            archs = _drafter_architectures(dflash_spec)
+            if archs is None or "DFlashDraftModel" in archs:
+                raise
+            raise _not_dflash(dflash_spec["model"], archs) from None
         options = _validate_pair(config, target_model_config, options)
         self.additional_config = dict(self.additional_config or {})
         self.additional_config[ADDITIONAL_CONFIG_KEY] = options.to_dict()
@@ -150,10 +157,7 @@ def _validate_pair(config, target_model_config, options: DDTreeOptions) -> DDTre
     draft_name = config.draft_model_config.model
     archs = list(getattr(draft, "architectures", None) or [])
     if "DFlashDraftModel" not in archs or not getattr(draft, "dflash_config", None):
-        raise DDTreeConfigError(
-            f"ddtree: the drafter {draft_name!r} is not a DFlash drafter (architectures={archs}, "
-            "needs DFlashDraftModel with a dflash_config); use a z-lab DFlash checkpoint"
-        )
+        raise _not_dflash(draft_name, archs)
     target = target_model_config.hf_config
     target_text = target.get_text_config() if hasattr(target, "get_text_config") else target
     if draft.vocab_size != target_text.vocab_size:
@@ -174,6 +178,24 @@ def _validate_pair(config, target_model_config, options: DDTreeOptions) -> DDTre
             "(SupportsEagle3), which the DFlash drafter needs; use a supported target such as Qwen3"
         )
     return resolve_depth(options, getattr(draft, "block_size", None))
+
+
+def _not_dflash(draft_name, archs) -> DDTreeConfigError:
+    return DDTreeConfigError(
+        f"ddtree: the drafter {draft_name!r} is not a DFlash drafter (architectures={archs}, "
+        "needs DFlashDraftModel with a dflash_config); use a z-lab DFlash checkpoint"
+    )
+
+
+def _drafter_architectures(spec: dict) -> list[str] | None:
+    """``architectures`` of the drafter's config.json, or None when it cannot be read."""
+    try:
+        from transformers import PretrainedConfig
+
+        data, _ = PretrainedConfig.get_config_dict(spec["model"], revision=spec.get("revision"))
+    except Exception:
+        return None
+    return list(data.get("architectures") or [])
 
 
 def _wrap_v2_unsupported(original):
@@ -225,6 +247,8 @@ def _chain_only_features(params) -> list[str]:
     problems = []
     if params.logprobs is not None:
         problems.append("logprobs")
+    if getattr(params, "logprob_token_ids", None) is not None:  # sample logprobs of given ids
+        problems.append("logprob_token_ids")
     if (params.presence_penalty or params.frequency_penalty
             or (params.repetition_penalty is not None and params.repetition_penalty != 1.0)):
         problems.append("presence/frequency/repetition penalties")

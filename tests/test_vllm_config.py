@@ -1,0 +1,425 @@
+"""The plugin's error behaviour through vLLM 0.32's real entry points (CPU, in-process).
+
+1. Engine start: every invalid ddtree configuration stops ``EngineArgs.create_engine_config``
+   with a ``DDTreeConfigError`` whose message names the problem and the fix. ``LLM(...)``
+   (``LLMEngine.from_engine_args``), ``vllm serve`` (``cli/serve.py``) and the OpenAI api_server
+   (``build_async_engine_client_from_engine_args``) all build their config with
+   ``create_engine_config`` before any model is loaded, so most cases call it directly
+   (milliseconds); a few go through ``LLM(...)`` and the CLI parser to pin that path. Drafter and
+   target variants are config.json-only directories: the checks fire before any weight is read.
+2. ``register()`` / ``install()``: idempotent, inert for non-ddtree configs, version-guarded.
+3. Per request, one real ddtree engine: chain-only request features are refused at add time
+   with an error naming ddtree and the feature; the engine keeps serving identical outputs.
+4. The refusal is ddtree-only: plain decoding and vLLM's own dflash accept the same requests.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from vllm_utils import DRAFTER, TARGET, close, ddtree_spec, make_llm
+
+from vllm import SamplingParams
+from vllm.engine.arg_utils import EngineArgs
+from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import StructuredOutputsParams
+from vllm_ddtree.plugin.options import MAX_BUDGET, DDTreeConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+DRAFTER_CONFIG = json.loads((Path(DRAFTER) / "config.json").read_text())
+BLOCK_SIZE = DRAFTER_CONFIG["block_size"]  # 8: depth L <= 7
+
+
+def engine_config(spec, model=TARGET, **kwargs):
+    args = dict(model=model, dtype="float32", max_model_len=512, speculative_config=spec)
+    args.update(kwargs)
+    return EngineArgs(**args).create_engine_config()
+
+
+def config_dir(path: Path, config: dict, tokenizer: bool = False) -> str:
+    """A model directory holding only config.json (no weights), plus the target's tokenizer."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    if tokenizer:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(TARGET) / name, path / name)
+    return str(path)
+
+
+def drafter_variant(tmp_path, **edits) -> str:
+    """The tiny drafter's config.json with ``edits`` (None removes a key), without weights."""
+    config = dict(DRAFTER_CONFIG)
+    for key, value in edits.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    return config_dir(tmp_path / "drafter", config)
+
+
+def assert_config_error(spec, *words, **kwargs):
+    with pytest.raises(DDTreeConfigError) as info:
+        engine_config(spec, **kwargs)
+    message = str(info.value)
+    assert message.startswith("ddtree"), message
+    for word in words:
+        assert word in message, (word, message)
+    assert "\n" not in message, "one error line"
+    return message
+
+
+# 1. engine start -----------------------------------------------------------------------------
+
+
+def test_valid_config_is_accepted_and_tagged():
+    """The baseline every error case departs from: budget 8 on the tiny pair starts."""
+    config = engine_config(ddtree_spec(8))
+    assert config.speculative_config.method == "dflash"
+    assert config.speculative_config.num_speculative_tokens == 8
+    assert config.additional_config["ddtree"] == {"budget": 8, "depth": BLOCK_SIZE - 1,
+                                                  "mode": "tree"}
+    assert config.speculative_config.ddtree_options.budget == 8
+    assert config.num_lookahead_tokens >= BLOCK_SIZE  # drafter's bonus + L mask queries
+    assert not config.scheduler_config.async_scheduling
+    # the extremes of the documented range are accepted
+    assert engine_config(ddtree_spec(1)).additional_config["ddtree"]["budget"] == 1
+    assert engine_config(ddtree_spec(MAX_BUDGET)).speculative_config.num_speculative_tokens == 1024
+
+
+@pytest.mark.parametrize("budget", [0, -1, MAX_BUDGET + 1, 2.5, "8", True])
+def test_budget_out_of_range_or_not_an_integer(budget):
+    message = assert_config_error(ddtree_spec(budget), "num_speculative_tokens", "[1, 1024]",
+                                  "integer")
+    assert repr(budget) in message
+
+
+def test_missing_num_speculative_tokens():
+    spec = {"method": "ddtree", "model": DRAFTER}
+    assert_config_error(spec, 'needs "num_speculative_tokens"', "tree budget", "1..1024")
+
+
+def test_missing_drafter_model():
+    spec = {"method": "ddtree", "num_speculative_tokens": 8}
+    assert_config_error(spec, 'needs "model"', "DFlash drafter")
+
+
+def test_unknown_ddtree_option():
+    assert_config_error(ddtree_spec(8, ddtree_foo=1), "unknown option", "ddtree_foo",
+                        "ddtree_depth", "ddtree_mode")
+
+
+def test_invalid_mode():
+    assert_config_error(ddtree_spec(8, ddtree_mode="beam"), "ddtree_mode='beam'", "'tree'",
+                        "'hsd_chain'")
+
+
+@pytest.mark.parametrize("depth", [0, -3, 2.0, True])
+def test_depth_not_a_positive_integer(depth):
+    assert_config_error(ddtree_spec(8, ddtree_depth=depth), f"ddtree_depth={depth!r}",
+                        "positive integer", "block_size - 1")
+
+
+def test_depth_beyond_drafter_block():
+    message = assert_config_error(ddtree_spec(8, ddtree_depth=BLOCK_SIZE), "ddtree_depth=8",
+                                  "block_size - 1 = 7", "lower it or leave it out")
+    assert "exceeds" in message
+    # the largest legal depth is accepted
+    config = engine_config(ddtree_spec(8, ddtree_depth=BLOCK_SIZE - 1))
+    assert config.additional_config["ddtree"]["depth"] == BLOCK_SIZE - 1
+
+
+def test_hsd_chain_budget_beyond_depth():
+    assert_config_error(ddtree_spec(BLOCK_SIZE, ddtree_mode="hsd_chain"), "hsd_chain",
+                        "num_speculative_tokens=8", "<= the depth 7")
+    # an explicit, smaller depth lowers the bound
+    assert_config_error(ddtree_spec(5, ddtree_mode="hsd_chain", ddtree_depth=4),
+                        "num_speculative_tokens=5", "<= the depth 4")
+    config = engine_config(ddtree_spec(BLOCK_SIZE - 1, ddtree_mode="hsd_chain"))
+    assert config.additional_config["ddtree"]["mode"] == "hsd_chain"
+
+
+def test_target_as_drafter_is_not_dflash():
+    """vLLM's own error here is a pydantic dump of its model registry; ours names the fix."""
+    message = assert_config_error(ddtree_spec(8, model=TARGET), "not a DFlash drafter",
+                                  "Qwen3ForCausalLM", "DFlashDraftModel", "z-lab DFlash")
+    assert len(message) < 400, "not vLLM's registry dump"
+
+
+def test_drafter_with_other_architecture_is_not_dflash(tmp_path):
+    drafter = drafter_variant(tmp_path, architectures=["LlamaForCausalLM"])
+    assert_config_error(ddtree_spec(8, model=drafter), "not a DFlash drafter",
+                        "LlamaForCausalLM", "DFlashDraftModel")
+
+
+def test_drafter_without_dflash_config_is_not_dflash(tmp_path):
+    drafter = drafter_variant(tmp_path, dflash_config=None)
+    assert_config_error(ddtree_spec(8, model=drafter), "not a DFlash drafter", "dflash_config")
+
+
+@pytest.mark.parametrize("block_size", [1, None])
+def test_drafter_without_a_usable_block_size(tmp_path, block_size):
+    drafter = drafter_variant(tmp_path, block_size=block_size)
+    assert_config_error(ddtree_spec(8, model=drafter), f"block_size={block_size!r}",
+                        "block_size >= 2")
+
+
+def test_missing_drafter_directory_keeps_vllms_error(tmp_path):
+    """The not-DFlash rewrite only replaces vLLM's error when the drafter's config says so."""
+    with pytest.raises(Exception) as info:
+        engine_config(ddtree_spec(8, model=str(tmp_path / "absent")))
+    assert not isinstance(info.value, DDTreeConfigError)
+
+
+def test_vocab_mismatch(tmp_path):
+    drafter = drafter_variant(tmp_path, vocab_size=5000)
+    assert_config_error(ddtree_spec(8, model=drafter), "vocab_size=5000",
+                        "target vocab_size=4096", "drafter trained for this target")
+
+
+def test_hidden_size_mismatch(tmp_path):
+    drafter = drafter_variant(tmp_path, hidden_size=256)
+    assert_config_error(ddtree_spec(8, model=drafter), "hidden_size=256",
+                        "target hidden_size=192", "drafter trained for this target")
+
+
+def test_target_without_auxiliary_hidden_states(tmp_path):
+    """GPT-2 in vLLM 0.32 is not SupportsEagle3; vocab and hidden size match the drafter."""
+    gpt2 = config_dir(tmp_path / "gpt2", {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 192,
+        "n_layer": 2, "n_head": 6, "n_positions": 1024, "vocab_size": 4096,
+        "bos_token_id": 1, "eos_token_id": 2,
+    }, tokenizer=True)
+    assert engine_config(None, model=gpt2).speculative_config is None  # a valid target
+    assert_config_error(ddtree_spec(8), "GPT2LMHeadModel", "auxiliary hidden states",
+                        "SupportsEagle3", "Qwen3", model=gpt2)
+
+
+def test_async_scheduling():
+    assert_config_error(ddtree_spec(8), "async scheduling", "--async-scheduling",
+                        async_scheduling=True)
+
+
+def test_cli_speculative_config_and_async_flag():
+    """``vllm serve`` / api_server: the JSON flag reaches the same validation."""
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    def from_cli(*argv):
+        parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+        args = parser.parse_args(["--model", TARGET, "--dtype", "float32",
+                                  "--max-model-len", "512", *argv])
+        return EngineArgs.from_cli_args(args).create_engine_config()
+
+    spec = json.dumps(ddtree_spec(8))
+    assert from_cli("--speculative-config", spec).additional_config["ddtree"]["budget"] == 8
+    with pytest.raises(DDTreeConfigError, match="async scheduling"):
+        from_cli("--speculative-config", spec, "--async-scheduling")
+    with pytest.raises(DDTreeConfigError, match=r"num_speculative_tokens=1025"):
+        from_cli("--speculative-config", json.dumps(ddtree_spec(1025)))
+
+
+@pytest.mark.parametrize("spec, kwargs, words", [
+    (ddtree_spec(MAX_BUDGET + 1), {}, ("num_speculative_tokens=1025", "1024")),
+    (ddtree_spec(8, model=TARGET), {}, ("not a DFlash drafter", "DFlashDraftModel")),
+    (ddtree_spec(8), {"async_scheduling": True}, ("async scheduling",)),
+])
+def test_llm_entry_point_raises_the_same_error(spec, kwargs, words):
+    """The user-facing ``vllm.LLM(...)``: the error surfaces unchanged, before model loading."""
+    from vllm import LLM
+
+    with pytest.raises(DDTreeConfigError) as info:
+        LLM(model=TARGET, speculative_config=spec, dtype="float32", max_model_len=512,
+            enforce_eager=True, **kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+# 2. register / install ---------------------------------------------------------------------
+
+
+def test_register_is_idempotent_and_inert_without_ddtree():
+    import vllm_ddtree
+    from vllm.config import VllmConfig
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def patched():
+        return (EngineArgs.create_speculative_config, SamplingParams._validate_spec_decode,
+                GPUModelRunner.__init__, GPUModelRunner._prepare_inputs, GPUModelRunner._sample,
+                GPUModelRunner._input_fits_in_drafter,
+                VllmConfig._get_v2_model_runner_unsupported_features,
+                VllmConfig.num_lookahead_tokens.fget)
+
+    vllm_ddtree.register()  # vLLM already called it through the entry point
+    before = patched()
+    vllm_ddtree.register()
+    vllm_ddtree.register()
+    assert patched() == before
+    for func in before:  # wrapped once: the wrapped function is vLLM's own
+        assert func.__code__.co_filename.endswith("patches.py"), func
+        assert not func.__wrapped__.__code__.co_filename.endswith("patches.py"), func
+
+    plain = engine_config(None)
+    assert plain.speculative_config is None
+    assert "ddtree" not in (plain.additional_config or {})
+    assert plain.num_lookahead_tokens == 0
+    assert "ddtree tree speculative decoding" not in \
+        plain._get_v2_model_runner_unsupported_features()
+
+    dflash = engine_config({"method": "dflash", "model": DRAFTER, "num_speculative_tokens": 8})
+    assert dflash.speculative_config.method == "dflash"
+    assert "ddtree" not in (dflash.additional_config or {})
+    assert getattr(dflash.speculative_config, "ddtree_options", None) is None
+    tree = engine_config(ddtree_spec(8))
+    assert "ddtree tree speculative decoding" in tree._get_v2_model_runner_unsupported_features()
+    assert "ddtree tree speculative decoding" not in \
+        dflash._get_v2_model_runner_unsupported_features()
+
+
+def test_version_guard_in_a_fresh_process():
+    code = (
+        "import vllm.version\n"
+        "vllm.version.__version_tuple__ = (0, 33, 0)\n"
+        "vllm.version.__version__ = '0.33.0'\n"
+        "from vllm_ddtree.plugin import patches\n"
+        "try:\n"
+        "    patches.install()\n"
+        "except ImportError as e:\n"
+        "    print('IMPORT_ERROR', e)\n"
+        "    from vllm.engine.arg_utils import EngineArgs\n"
+        "    print('PATCHED', EngineArgs.create_speculative_config.__code__.co_filename)\n"
+        "else:\n"
+        "    print('INSTALLED')\n"
+    )
+    # VLLM_PLUGINS="" keeps vLLM from loading the plugin itself before the guard is tested
+    env = {**__import__("os").environ, "VLLM_PLUGINS": "", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=ROOT, env=env, timeout=120)
+    out = result.stdout
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "IMPORT_ERROR" in out, out
+    line = next(ln for ln in out.splitlines() if ln.startswith("IMPORT_ERROR"))
+    assert "supports vLLM 0.32.x" in line and "found 0.33.0" in line, line
+    assert "install vllm==0.32.*" in line and "uninstall vllm-ddtree" in line, line
+    assert "vllm/engine/arg_utils.py" in out, "a refused install must patch nothing"
+
+
+def test_require_names_the_missing_symbol():
+    from vllm_ddtree.plugin.patches import _require
+
+    class Dummy:
+        def method(self, a, b):
+            pass
+
+        @property
+        def prop(self):
+            return 1
+
+    assert _require(Dummy, "method", ("a", "b")) is Dummy.method
+    assert isinstance(_require(Dummy, "prop"), property)
+    with pytest.raises(ImportError, match=r"vLLM has no .*Dummy\.missing.*vLLM 0\.32\.x only"):
+        _require(Dummy, "missing")
+    with pytest.raises(ImportError, match=r"Dummy\.method lacks parameters \['c'\].*0\.32\.x"):
+        _require(Dummy, "method", ("a", "c"))
+
+
+# 3. per-request rejection (one real engine) --------------------------------------------------
+
+PROMPT = "def fibonacci(n):\n"
+GREEDY = dict(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+# (request feature, words its error must contain)
+CHAIN_ONLY = {
+    "logprobs": (dict(logprobs=1), ("logprobs",)),
+    "logprob_token_ids": (dict(logprob_token_ids=[1, 2]), ("logprob_token_ids",)),
+    "presence_penalty": (dict(presence_penalty=0.5), ("presence", "penalties")),
+    "frequency_penalty": (dict(frequency_penalty=0.5), ("frequency", "penalties")),
+    "repetition_penalty": (dict(repetition_penalty=1.2), ("repetition", "penalties")),
+    "bad_words": (dict(bad_words=["def"]), ("bad_words",)),
+    "min_tokens": (dict(min_tokens=4), ("min_tokens",)),
+    "structured_outputs": (dict(structured_outputs=StructuredOutputsParams(choice=["a", "b"])),
+                           ("structured outputs",)),
+    "allowed_token_ids": (dict(allowed_token_ids=[1, 2, 3]), ("allowed_token_ids",)),
+}
+
+
+def _ids(outputs):
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    llm = make_llm(ddtree_spec(8))
+    before = _ids(llm.generate([PROMPT, "x"], SamplingParams(**GREEDY), use_tqdm=False))
+    assert all(len(ids) == GREEDY["max_tokens"] for ids in before)
+    yield llm, before
+    close(llm)
+
+
+@pytest.mark.parametrize("feature", list(CHAIN_ONLY))
+def test_chain_only_request_is_rejected(engine, feature):
+    llm, before = engine
+    kwargs, words = CHAIN_ONLY[feature]
+    with pytest.raises(VLLMValidationError) as info:
+        llm.generate(PROMPT, SamplingParams(**GREEDY, **kwargs), use_tqdm=False)
+    message = str(info.value)
+    assert "ddtree" in message and "does not support" in message, message
+    for word in words:
+        assert word in message, (word, message)
+    assert not llm.llm_engine.has_unfinished_requests()
+    # the engine still serves, with the same outputs as before the bad request
+    assert _ids(llm.generate([PROMPT, "x"], SamplingParams(**GREEDY), use_tqdm=False)) == before
+
+
+def test_several_features_are_named_together(engine):
+    llm, _ = engine
+    params = SamplingParams(**GREEDY, logprobs=2, min_tokens=2, bad_words=["x"])
+    with pytest.raises(VLLMValidationError, match=r"logprobs, bad_words, min_tokens"):
+        llm.generate(PROMPT, params, use_tqdm=False)
+
+
+def test_batch_with_one_bad_request_is_rejected_whole(engine):
+    """``LLM.generate`` validates each request at add time; on the first refusal it aborts
+    the requests already added and raises: nothing of the batch runs, nothing is left over."""
+    llm, before = engine
+    good = SamplingParams(**GREEDY)
+    bad = SamplingParams(**GREEDY, presence_penalty=0.5)
+    with pytest.raises(VLLMValidationError, match="ddtree.*presence"):
+        llm.generate([PROMPT, "x", PROMPT], [good, good, bad], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.llm_engine.get_num_unfinished_requests() == 0
+    assert _ids(llm.generate([PROMPT, "x"], [good, good], use_tqdm=False)) == before
+
+
+def test_features_that_do_not_assume_chains_are_served(engine):
+    """Sampling parameters the tree path handles are not refused (the rejection is narrow)."""
+    llm, _ = engine
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1, max_tokens=8,
+                            stop=["\n\n\n"], prompt_logprobs=1)
+    out = llm.generate(PROMPT, params, use_tqdm=False)[0]
+    assert 1 <= len(out.outputs[0].token_ids) <= 8
+    assert out.prompt_logprobs is not None
+
+
+# 4. the refusal is ddtree-only ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def spec_configs():
+    dflash = engine_config({"method": "dflash", "model": DRAFTER, "num_speculative_tokens": 8})
+    tree = engine_config(ddtree_spec(8))
+    return dflash.speculative_config, tree.speculative_config
+
+
+@pytest.mark.parametrize("feature", list(CHAIN_ONLY))
+def test_plain_and_dflash_accept_what_ddtree_refuses(spec_configs, feature):
+    dflash, tree = spec_configs
+    kwargs, words = CHAIN_ONLY[feature]
+    params = SamplingParams(**GREEDY, **kwargs)
+    params._validate_spec_decode(None)  # no speculation: accepted
+    params._validate_spec_decode(dflash)  # vLLM's own dflash: accepted
+    with pytest.raises(VLLMValidationError) as info:
+        params._validate_spec_decode(tree)
+    assert "ddtree" in str(info.value) and words[0] in str(info.value)
+    SamplingParams(**GREEDY)._validate_spec_decode(tree)  # the plain request is fine
