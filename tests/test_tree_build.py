@@ -67,6 +67,11 @@ def test_position_offsets_and_query_token_ids():
     logits = torch.log(torch.tensor([[[0.6, 0.4, 1e-30, 1e-30], [1e-30, 1e-30, 0.9, 0.1]]]))
     tree = build_tree(logits, torch.tensor([3]), max_budget=4)  # nodes a, ac, b, padding
     assert tree.position_offsets().tolist() == [[0, 1, 2, 1, 0]]
+    none = torch.empty(2, 0, dtype=torch.long)  # no drafts: the root alone
+    empty = DraftTree(token_ids=none, parents=none, depths=none, scores=none.float(),
+                      num_nodes=torch.zeros(2, dtype=torch.long),
+                      ancestor_mask=torch.ones(2, 1, 1, dtype=torch.int32), max_depth=0)
+    assert empty.position_offsets().tolist() == [[0], [0]]
     assert tree.query_token_ids(torch.tensor([3])).tolist() == [[3, 0, 2, 1, 0]]
     with pytest.raises(ValueError, match="root_token_ids.shape"):
         tree.query_token_ids(torch.tensor([3, 4]))

@@ -81,7 +81,7 @@ class DraftTree:
         rows get offset 0, harmless as they attend only to the root and themselves).
         Example: depths [1, 2, 1, 0(pad)] -> offsets [0, 1, 2, 1, 0].
         """
-        root = torch.zeros_like(self.depths[:, :1])
+        root = self.depths.new_zeros(self.depths.shape[0], 1)
         return torch.cat([root, self.depths], dim=1)
 
     def query_token_ids(self, root_token_ids: torch.Tensor) -> torch.Tensor:

@@ -240,8 +240,7 @@ def generate(
         timer.stop("tree")
         # -- verify ---------------------------------------------------------------------------
         query = tree.query_token_ids(root)  # [1, B + 1]
-        # NOTE: not tree.position_offsets(): it returns [1, 0] for an empty tree (method "ar")
-        positions = start + torch.cat([torch.zeros_like(query[:, :1]), tree.depths], dim=1)
+        positions = start + tree.position_offsets()
         out = target(
             input_ids=query,
             position_ids=positions,
