@@ -220,6 +220,36 @@ def test_cli_speculative_config_and_async_flag():
         from_cli("--speculative-config", json.dumps(ddtree_spec(1025)))
 
 
+def test_cli_shorthand_spec_flags():
+    """The shorthand spec flags with ddtree give the same configuration.
+
+    ``LLM(spec_method="ddtree", spec_model=D, spec_tokens=B)`` works; on the command line
+    vLLM's parser limits ``--spec-method`` to its own methods, so ``--spec-model`` /
+    ``--spec-tokens`` go with ``--speculative-config '{"method": "ddtree"}'``.
+    """
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    def from_cli(*argv):
+        parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+        args = parser.parse_args(["--model", TARGET, "--dtype", "float32",
+                                  "--max-model-len", "512", *argv])
+        return EngineArgs.from_cli_args(args).create_engine_config()
+
+    args = EngineArgs(model=TARGET, dtype="float32", max_model_len=512, spec_method="ddtree",
+                      spec_model=DRAFTER, spec_tokens=8)
+    config = args.create_engine_config()
+    assert config.additional_config["ddtree"]["budget"] == 8
+    assert config.speculative_config.method == "dflash"
+    mixed = from_cli("--spec-tokens", "6",
+                     "--speculative-config", json.dumps({"method": "ddtree", "model": DRAFTER}))
+    assert mixed.additional_config["ddtree"]["budget"] == 6
+    with pytest.raises(DDTreeConfigError, match="--spec-tokens and --speculative-config"):
+        from_cli("--spec-tokens", "6", "--speculative-config", json.dumps(ddtree_spec(8)))
+    with pytest.raises(DDTreeConfigError, match="num_speculative_tokens=2000"):
+        from_cli("--spec-model", DRAFTER, "--spec-tokens", "2000",
+                 "--speculative-config", json.dumps({"method": "ddtree"}))
+
+
 @pytest.mark.parametrize("spec, kwargs, words", [
     (ddtree_spec(MAX_BUDGET + 1), {}, ("num_speculative_tokens=1025", "1024")),
     (ddtree_spec(8, model=TARGET), {}, ("not a DFlash drafter", "DFlashDraftModel")),

@@ -113,6 +113,7 @@ def install() -> None:
 def _wrap_create_speculative_config(original):
     @functools.wraps(original)
     def create_speculative_config(self, target_model_config, target_parallel_config):
+        _merge_shorthand_flags(self)
         spec = self.speculative_config
         if not (isinstance(spec, dict) and spec.get("method") == "ddtree"):
             config = original(self, target_model_config, target_parallel_config)
@@ -145,6 +146,34 @@ def _wrap_create_speculative_config(original):
         return config
 
     return create_speculative_config
+
+
+def _merge_shorthand_flags(engine_args) -> None:
+    """``--spec-method ddtree --spec-model D --spec-tokens B`` -> ``speculative_config``.
+
+    vLLM merges these flags inside ``create_speculative_config``, after the method check of
+    this wrapper; for ddtree they are merged here first (same rule: a flag and the same key
+    of ``--speculative-config`` are mutually exclusive). Other methods are left to vLLM.
+    """
+    spec = engine_args.speculative_config
+    method = engine_args.spec_method or (spec.get("method") if isinstance(spec, dict) else None)
+    if method != "ddtree":
+        return
+    merged = dict(spec or {})
+    for flag, key, attr in (("--spec-method", "method", "spec_method"),
+                            ("--spec-model", "model", "spec_model"),
+                            ("--spec-tokens", "num_speculative_tokens", "spec_tokens")):
+        value = getattr(engine_args, attr)
+        if value is None:
+            continue
+        if key in merged:
+            raise DDTreeConfigError(
+                f"ddtree: {flag} and --speculative-config['{key}'] are mutually exclusive; "
+                "give it once"
+            )
+        merged[key] = value
+        setattr(engine_args, attr, None)
+    engine_args.speculative_config = merged
 
 
 CUDA_OPT_IN = "VLLM_DDTREE_EXPERIMENTAL_CUDA"
