@@ -225,3 +225,17 @@ def test_dtypes_and_errors():
         build_tree(logits, torch.tensor([1, 2, 3]), max_budget=4)
     with pytest.raises(ValueError, match="float"):
         build_tree(torch.ones(2, 3, 4, dtype=torch.int64), 4)
+
+
+def test_first_nodes_is_the_subtree_of_the_first_nodes():
+    gen = torch.Generator().manual_seed(5)
+    tree = build_tree(torch.randn(3, 4, 6, generator=gen) * 2, 40)
+    for width in (0, 1, 7, 33, 40):
+        part = tree.first_nodes(width)
+        assert torch.equal(part.token_ids, tree.token_ids[:, :width])
+        assert torch.equal(part.num_nodes, tree.num_nodes.clamp(max=width))
+        dense = unpack_mask(tree.ancestor_mask, 41)[:, : width + 1, : width + 1]
+        assert torch.equal(unpack_mask(part.ancestor_mask, width + 1), dense)
+        _check_structure(part)
+    with pytest.raises(ValueError, match="width=41"):
+        tree.first_nodes(41)

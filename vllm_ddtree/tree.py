@@ -74,6 +74,22 @@ class DraftTree:
         """``[batch, B]`` bool: True for real nodes."""
         return self.depths > 0
 
+    def first_nodes(self, width: int) -> DraftTree:
+        """The trees of the first ``width`` nodes of each request (a subtree: parents precede
+        their children), padded to ``width``. Example: nodes [a, b, ab] -> width 2: [a, b]."""
+        if not 0 <= width <= self.max_budget:
+            raise ValueError(f"width={width} must be in [0, {self.max_budget}]")
+        words = (width + 1 + 31) // 32
+        return DraftTree(
+            token_ids=self.token_ids[:, :width],
+            parents=self.parents[:, :width],
+            depths=self.depths[:, :width],
+            scores=self.scores[:, :width],
+            num_nodes=self.num_nodes.clamp(max=width),
+            ancestor_mask=self.ancestor_mask[:, : width + 1, :words],
+            max_depth=min(self.max_depth, width),
+        )
+
     def position_offsets(self) -> torch.Tensor:
         """``[batch, B + 1]`` int64 query position offsets: 0 at the root, then node depths.
 

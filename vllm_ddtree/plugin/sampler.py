@@ -52,16 +52,19 @@ class TreeRejectionSampler(nn.Module):
                 query_start=starts,
                 num_tokens=sum(num_draft) + len(num_draft),
             )
-        tree = verify.tree
-        num_reqs, width = tree.token_ids.shape
-        # logits rows of request r: [cu_sampled[r] - m_r - 1, cu_sampled[r]) -> padded [R, B+1, V]
+        # Only the widest scheduled tree is padded for: [R, max m + 1, V], not [R, B + 1, V]
+        # (vLLM's warm-up runs max_num_seqs requests with one draft each).
+        width = max(num_draft, default=0)
+        tree = verify.tree.first_nodes(width)
+        num_reqs = tree.token_ids.shape[0]
+        # logits rows of request r: [cu_sampled[r] - m_r - 1, cu_sampled[r]) -> padded [R, m+1, V]
         row_of = []
         start = 0
         for m in num_draft:
             row_of.append(list(range(start, start + m + 1)) + [-1] * (width - m))
             start += m + 1
         rows = torch.tensor(row_of, dtype=torch.int64, device=logits.device)
-        padded = logits[rows.clamp(min=0)]  # [R, B + 1, V]; padding rows are never reached
+        padded = logits[rows.clamp(min=0)]  # [R, width + 1, V]; padding rows are never reached
         sampling = sampling_batch(sampling_metadata)
         verdict = verify_tree(tree, padded, sampling)
         out_width = metadata.max_spec_len + 1
@@ -69,7 +72,8 @@ class TreeRejectionSampler(nn.Module):
         keep = min(out_width, verdict.output_tokens.shape[1])
         out[:, :keep] = verdict.output_tokens[:, :keep]
         state.verdict = verdict
-        if state.options.mode == "hsd_chain" and verify.draft_probs is not None:
+        if (state.options.mode == "hsd_chain" and verify.draft_probs is not None
+                and width == state.budget):
             # Sampled chains: HSD where the drafts are the proposal at full length; the walk
             # (above) for placeholder or truncated rows. Chains need no K/V compaction.
             use_hsd = verify.matched & (tree.num_nodes == width)
