@@ -7,11 +7,11 @@ the compaction on that layout, and plain expectations for the metadata and engin
 checks. What is NOT covered here: the backend inside a running vLLM engine on a GPU.
 """
 
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
+from triton_utils import interpreter_on_cpu
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
 
@@ -34,13 +34,8 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 32, 16, 24
 
 @pytest.fixture(autouse=True, scope="module")
 def triton_interpreter():
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    if saved is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = saved
+    with interpreter_on_cpu("cpu"):
+        yield
 
 
 def cuda_layout_cache(gen: torch.Generator, physical_nhd: bool) -> torch.Tensor:

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from triton_utils import interpreter_on_cpu
 
 from vllm_ddtree.kernels import (
     masked_attention_ref,
@@ -28,22 +29,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture(autouse=True, scope="module")
 def triton_interpreter():
-    """On the CPU, run the kernels in Triton's interpreter, for this module's tests only.
-
-    The launchers import the @triton.jit modules on first call, which happens inside this
-    fixture, so the kernels are interpreted; other test files keep their environment (vLLM
-    must not see TRITON_INTERPRET=1).
-    """
-    if DEVICE == "cuda":
+    with interpreter_on_cpu(DEVICE):
         yield
-        return
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    if saved is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = saved
+
+
 # (atol, rtol) of the kernel against the fp32 reference, per input dtype.
 TOLERANCES = {
     torch.float32: (1e-5, 1e-5),

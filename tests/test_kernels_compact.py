@@ -5,10 +5,10 @@ before any write). On the CPU the kernel runs in Triton's interpreter (TRITON_IN
 fixture before the kernel module is first imported); with CUDA the same cases run natively.
 """
 
-import os
 
 import pytest
 import torch
+from triton_utils import interpreter_on_cpu
 
 from vllm_ddtree.kernels import KVCacheTable, compact_kv, compact_kv_ref
 
@@ -17,22 +17,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture(autouse=True, scope="module")
 def triton_interpreter():
-    """On the CPU, run the kernels in Triton's interpreter, for this module's tests only.
-
-    The launchers import the @triton.jit modules on first call, which happens inside this
-    fixture, so the kernels are interpreted; other test files keep their environment (vLLM
-    must not see TRITON_INTERPRET=1).
-    """
-    if DEVICE == "cuda":
+    with interpreter_on_cpu(DEVICE):
         yield
-        return
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    if saved is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = saved
 
 
 def vllm_layer_caches(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, gen):
