@@ -356,7 +356,7 @@ def _wrap_runner_init(original):
         state = TreeState(options, self.device)
         self.ddtree_state = state
         self.drafter = DDTreeProposer(vllm_config, self.device, self, state)
-        self.rejection_sampler = TreeRejectionSampler(state)
+        self.rejection_sampler = TreeRejectionSampler(state, self.sampler)
 
     return __init__
 

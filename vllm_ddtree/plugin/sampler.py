@@ -6,17 +6,30 @@ chain, node order for a tree: the same rows). The walk needs exactly these distr
 The output follows vLLM's layout: ``[R, max_spec_len + 1]`` int32, accepted tokens, the bonus
 token, then -1, so the scheduler's rule ``num_computed -= num_draft - num_accepted`` holds
 once the accepted path's K/V has been compacted to the chain slots.
+
+Seeded requests (``SamplingParams.seed``) draw every verify position from their own generator
+with vLLM's sampling op, position by position (:meth:`TreeRejectionSampler._sample_seeded`), and
+run HSD with that generator: the stream a seeded request consumes depends only on its own
+drafts, never on the other requests of the batch, so its output does not depend on the traffic.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
 from vllm.v1.outputs import SamplerOutput
 
 from vllm_ddtree.plugin.state import TreeState
-from vllm_ddtree.sampling import SamplingBatch, hsd_verify, target_probs_from_logits
-from vllm_ddtree.walk import verify_tree
+from vllm_ddtree.sampling import (
+    SamplingBatch,
+    hsd_verify,
+    processed_logits,
+    sample_tokens,
+    target_probs_from_logits,
+)
+from vllm_ddtree.walk import verify_tree, walk
 
 
 def sampling_batch(sampling_metadata) -> SamplingBatch | None:
@@ -32,9 +45,44 @@ def sampling_batch(sampling_metadata) -> SamplingBatch | None:
 
 
 class TreeRejectionSampler(nn.Module):
-    def __init__(self, state: TreeState):
+    def __init__(self, state: TreeState, target_sampler=None):
+        """``target_sampler``: the runner's vLLM ``Sampler`` (its top-k/top-p op draws the
+        tokens of seeded requests); None builds a default ``TopKTopPSampler``."""
         super().__init__()
         self.ddtree_state = state
+        if target_sampler is None:
+            from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+            self.topk_topp_sampler = TopKTopPSampler()
+        else:
+            self.topk_topp_sampler = target_sampler.topk_topp_sampler
+
+    def _sample_seeded(self, logits: torch.Tensor, num_draft: list[int],
+                       sampling: SamplingBatch) -> torch.Tensor:
+        """Target samples ``[R, width + 1]`` of a batch with seeded requests.
+
+        Unseeded rows draw from the default generator (:func:`sample_tokens`). Seeded request r
+        (vLLM gives generators to random seeded requests only) draws its m_r + 1 positions
+        with vLLM's sampling op from its generator alone, one position after the other: with
+        m_r = 0 (its first token, in a step where other requests verify) this is exactly the
+        draw vLLM's sampler makes in a step without speculation, and the stream never depends
+        on the width of the other requests' trees. Example: a seeded request with 2 drafts
+        consumes 3 draws of its generator (the CPU op draws one seed per position).
+        """
+        sampled = sample_tokens(logits, dataclasses.replace(sampling, generators=None))
+        for r, generator in sampling.generators.items():
+            m = num_draft[r]
+            row = SamplingBatch(
+                temperature=sampling.temperature[r:r + 1],
+                top_k=None if sampling.top_k is None else sampling.top_k[r:r + 1],
+                top_p=None if sampling.top_p is None else sampling.top_p[r:r + 1],
+            )
+            row_logits = processed_logits(logits[r:r + 1, :m + 1], row)[0].float()  # [m + 1, V]
+            tokens, _ = self.topk_topp_sampler(
+                row_logits, {i: generator for i in range(m + 1)}, None, None
+            )
+            sampled[r, :m + 1] = tokens.to(sampled.dtype)
+        return sampled
 
     def forward(self, metadata, draft_probs, logits: torch.Tensor, sampling_metadata) -> SamplerOutput:
         state = self.ddtree_state
@@ -66,7 +114,10 @@ class TreeRejectionSampler(nn.Module):
         rows = torch.tensor(row_of, dtype=torch.int64, device=logits.device)
         padded = logits[rows.clamp(min=0)]  # [R, width + 1, V]; padding rows are never reached
         sampling = sampling_batch(sampling_metadata)
-        verdict = verify_tree(tree, padded, sampling)
+        if sampling is not None and sampling.generators:
+            verdict = walk(tree, self._sample_seeded(padded, num_draft, sampling))
+        else:
+            verdict = verify_tree(tree, padded, sampling)
         out_width = metadata.max_spec_len + 1
         out = torch.full((num_reqs, out_width), -1, dtype=torch.int64, device=logits.device)
         keep = min(out_width, verdict.output_tokens.shape[1])
@@ -77,8 +128,17 @@ class TreeRejectionSampler(nn.Module):
             # Sampled chains: HSD where the drafts are the proposal at full length; the walk
             # (above) for placeholder or truncated rows. Chains need no K/V compaction.
             use_hsd = verify.matched & (tree.num_nodes == width)
-            _, hsd_out = hsd_verify(tree.token_ids.clamp(min=0), verify.draft_probs,
-                                    target_probs_from_logits(padded, sampling))
+            chains = tree.token_ids.clamp(min=0)
+            target_probs = target_probs_from_logits(padded, sampling)
+            _, hsd_out = hsd_verify(chains, verify.draft_probs, target_probs)
+            seeded = sampling.generators if sampling is not None and sampling.generators else {}
+            for r, generator in seeded.items():
+                # seeded requests with a full chain: HSD's uniforms and residual draw from
+                # their own generator (rows without a chain draw nothing more from it)
+                if num_draft[r] != width:
+                    continue
+                _, hsd_out[r:r + 1] = hsd_verify(chains[r:r + 1], verify.draft_probs[r:r + 1],
+                                                 target_probs[r:r + 1], generator=generator)
             out = torch.where(use_hsd[:, None], hsd_out[:, :out_width], out)
             state.verdict = None
         return SamplerOutput(sampled_token_ids=out.to(torch.int32), logprobs_tensors=None)
