@@ -53,6 +53,14 @@ def server_command(pair: str, method: str, num_spec: int, port: int) -> list[str
     ]
 
 
+def start_server(cmd: list[str], log) -> subprocess.Popen:
+    """Start ``cmd`` logging to the open file ``log``, offline, in its own session (and process group,
+    so that stop_server reaches vLLM's engine-core subprocess too)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the tests set it to 0 for their in-process engines
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
 def wait_healthy(proc: subprocess.Popen, port: int, timeout: float, log_path: str) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -92,19 +100,23 @@ def scrape_spec_metrics(port: int) -> dict:
 
 
 def stop_server(proc: subprocess.Popen, grace: float = 20.0) -> None:
-    """SIGINT, then SIGTERM, then SIGKILL to the server's own process group."""
-    if proc.poll() is not None:
-        return
+    """SIGINT, then SIGTERM, then SIGKILL to the server's own process group (start_server's session);
+    once the server has exited, SIGKILL whatever is left of the group, so that nothing outlives it."""
     for sig, wait in ((signal.SIGINT, grace), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        if proc.poll() is not None:
+            break
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
+            break
         try:
             proc.wait(timeout=wait)
-            return
         except subprocess.TimeoutExpired:
             continue
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def run_demo(pair: str = PAIR, method: str = "ddtree", num_spec: int | None = None, prompt: str = DEFAULT_PROMPT,
@@ -118,11 +130,10 @@ def run_demo(pair: str = PAIR, method: str = "ddtree", num_spec: int | None = No
         num_spec = 32 if method == "ddtree" else block - 1
     port = free_port()
     cmd = server_command(pair, method, num_spec, port)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     log = tempfile.NamedTemporaryFile("w", prefix="ddtree_demo_server_", suffix=".log", delete=False)
     if verbose:
         print(f"starting: {' '.join(cmd)}\n(server log: {log.name})", flush=True)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = start_server(cmd, log)
     try:
         t0 = time.time()
         wait_healthy(proc, port, startup_timeout, log.name)

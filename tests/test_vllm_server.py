@@ -5,7 +5,8 @@ with method ddtree and budget 16, started and stopped with scripts/demo.py's hel
 greedy checks: an in-process engine *without* speculation (same target, float32, same renderer as
 the server), run once and closed before the server starts; the server returns its ids with
 ``return_token_ids``. The fixture's teardown is the shutdown check: SIGTERM to the API server alone,
-exit in time, no traceback in the log, nothing left of its process group.
+exit in time, no traceback in the log (bar vLLM's own shutdown race, see
+without_vllm_shutdown_race), nothing left of its process group.
 """
 
 import importlib.util
@@ -59,6 +60,52 @@ def group_members(pgid: int) -> set[int]:
     return out
 
 
+_RACE_HEAD = "AsyncLLM output_handler failed."
+
+
+def without_vllm_shutdown_race(log: str) -> str:
+    """The log less vLLM 0.32's own shutdown race, which is not ddtree's: the API server runs
+    AsyncLLM.shutdown in an executor thread; it closes the engine client (whose cancelled output
+    task queues an EngineDeadError) *before* it cancels the output handler, so the handler may
+    read that error and log it with a traceback first. Only that traceback, logged after
+    "[shutdown] MPClient: complete", is dropped; any other one stays."""
+    lines = log.splitlines()
+    stopped = next((i for i, line in enumerate(lines) if "[shutdown] MPClient: complete" in line), len(lines))
+    out, i = [], 0
+    while i < len(lines):
+        line = lines[i]
+        if i > stopped and line.endswith(_RACE_HEAD) and "[async_llm.py:" in line:
+            prefix = line[: -len(_RACE_HEAD)]  # every line of a logged traceback carries it
+            j = i + 1
+            while j < len(lines) and lines[j].startswith(prefix):
+                j += 1
+            if "EngineDeadError" in lines[j - 1]:
+                i = j
+                continue
+        out.append(line)
+        i += 1
+    return "\n".join(out)
+
+
+def test_shutdown_race_filter_drops_only_that_traceback():
+    tag = "(APIServer pid=7) ERROR 11-22 21:09:55 [async_llm.py:906] "
+    race = [
+        "(APIServer pid=7) INFO 11-22 21:09:55 [core_client.py:777] [shutdown] MPClient: complete",
+        tag + "AsyncLLM output_handler failed.",
+        tag + "Traceback (most recent call last):",
+        tag + '  File "async_llm.py", line 849, in output_handler',
+        tag + "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.",
+        "INFO:     Shutting down",
+    ]
+    assert "Traceback" not in without_vllm_shutdown_race("\n".join(race))
+    assert "Traceback" in without_vllm_shutdown_race("\n".join(race[1:]))  # engine not stopped first
+    other = [tag + "AsyncLLM output_handler failed.", tag + "Traceback (most recent call last):",
+             tag + "RuntimeError: ddtree"]
+    assert "Traceback" in without_vllm_shutdown_race("\n".join(race[:1] + other))
+    crash = ["(EngineCore pid=8) ERROR 11-22 [core.py:1] Traceback (most recent call last):"]
+    assert "Traceback" in without_vllm_shutdown_race("\n".join(race + crash))
+
+
 # ---- fixtures ---------------------------------------------------------------------------------
 
 
@@ -105,7 +152,7 @@ def server(plain, tmp_path_factory):
         print(f"server stopped {time.time() - t0:.1f}s after SIGTERM, exit code {proc.returncode}")
         with open(log_path, errors="replace") as f:
             text = f.read()
-        assert "Traceback" not in text, f"traceback in the server log:\n{tail()}"
+        assert "Traceback" not in without_vllm_shutdown_race(text), f"traceback in the server log:\n{tail()}"
         assert not group_members(proc.pid), f"processes left after shutdown: {group_members(proc.pid)}\n{tail()}"
     finally:
         demo.stop_server(proc, grace=5.0)  # no-op after a clean shutdown; kills the group otherwise
@@ -216,3 +263,4 @@ def test_metrics_show_drafts_and_accepted_tokens(server, completion):
     assert m["num_drafts"] > 0
     assert m["num_accepted_tokens"] > 0
     assert m["num_draft_tokens"] == BUDGET * m["num_drafts"]  # B draft nodes per verify step
+
