@@ -95,3 +95,23 @@ def test_hsd_chain_mode_greedy_identical(baseline):
     assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == baseline
     assert ddtree_state(llm).num_compacted_slots == 0  # chains never move K/V
     close(llm)
+
+
+@pytest.mark.parametrize("budget", [8, 64])
+def test_drafter_with_other_attention_shapes(tmp_path, budget):
+    """A hand-made pair (tests/handmade_pair.py): untied 4-layer target with 4/2 heads of 64, a
+    2-layer drafter with 8/1 heads of 32 and block size 16. vLLM keeps both in one KV-cache group
+    with per-layer specs; compaction must touch only the target's layers, with their shape."""
+    from handmade_pair import make_pair
+
+    target, drafter = make_pair(tmp_path / "pair")
+    engine = dict(model=target, max_num_seqs=8, max_num_batched_tokens=1024)
+    llm = make_llm(None, **engine)
+    expect = _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    close(llm)
+    spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": budget}
+    llm = make_llm(spec, **engine)
+    assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expect
+    assert mean_acceptance_length(spec_metrics(llm)) > 1.1
+    assert ddtree_state(llm).num_compacted_slots > 0
+    close(llm)

@@ -416,17 +416,21 @@ def _target_kv_caches_by_group(runner) -> list[tuple[int, int, list]]:
     """``(kv-cache group id, head_dim, per-layer KV tensors)`` of the target's attention layers.
 
     Drafter layers are excluded: DFlash rewrites their context K/V from the gathered hidden
-    states at chain positions every step.
+    states at chain positions every step. A group whose layers differ in shape (vLLM's
+    ``UniformTypeKVCacheSpecs``, e.g. a drafter with other KV heads than the target in the
+    target's group) is split by head size, so each entry holds caches of one shape.
     """
     forward_context = runner.compilation_config.static_forward_context
     drafter_layers = set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ())
-    groups = []
+    groups: dict[tuple[int, int], list] = {}
     for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
-        caches = [forward_context[name].kv_cache for name in group.layer_names
-                  if name not in drafter_layers]
-        if caches:
-            groups.append((gid, group.kv_cache_spec.head_size, caches))
-    return groups
+        per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", None) or {}
+        for name in group.layer_names:
+            if name in drafter_layers:
+                continue
+            head_dim = per_layer.get(name, group.kv_cache_spec).head_size
+            groups.setdefault((gid, head_dim), []).append(forward_context[name].kv_cache)
+    return [(gid, head_dim, caches) for (gid, head_dim), caches in groups.items()]
 
 
 def _wrap_sample(original):
