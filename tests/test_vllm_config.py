@@ -166,6 +166,21 @@ def test_drafter_without_a_usable_block_size(tmp_path, block_size):
                         "block_size >= 2")
 
 
+def test_block_size_inside_dflash_config_is_read(tmp_path):
+    """``dflash_config.block_size`` counts like a top-level ``block_size`` (and wins, as in vLLM)."""
+    dflash = dict(DRAFTER_CONFIG["dflash_config"], block_size=5)
+    drafter = drafter_variant(tmp_path, block_size=None, dflash_config=dflash)
+    assert engine_config(ddtree_spec(8, model=drafter)).additional_config["ddtree"]["depth"] == 4
+
+
+@pytest.mark.parametrize("layer_ids", [[1, 4], [-1, 2], []])
+def test_target_layer_ids_outside_the_target(tmp_path, layer_ids):
+    dflash = dict(DRAFTER_CONFIG["dflash_config"], target_layer_ids=layer_ids)
+    drafter = drafter_variant(tmp_path, dflash_config=dflash)
+    assert_config_error(ddtree_spec(8, model=drafter), f"target_layer_ids={layer_ids!r}",
+                        "[0, 3]", "4 layers", "drafter trained for this target")
+
+
 def test_missing_drafter_directory_keeps_vllms_error(tmp_path):
     """The not-DFlash rewrite only replaces vLLM's error when the drafter's config says so."""
     with pytest.raises(Exception) as info:

@@ -241,6 +241,17 @@ def _validate_pair(config, target_model_config, options: DDTreeOptions) -> DDTre
             f"ddtree: drafter hidden_size={draft.hidden_size} != target hidden_size="
             f"{target_text.hidden_size}; use the drafter trained for this target"
         )
+    layer_ids = _dflash_value(draft, "target_layer_ids")
+    num_layers = target_text.num_hidden_layers
+    if layer_ids is not None and not (
+        isinstance(layer_ids, (list, tuple)) and layer_ids
+        and all(isinstance(i, int) and 0 <= i < num_layers for i in layer_ids)
+    ):
+        raise DDTreeConfigError(
+            f"ddtree: the drafter's dflash_config.target_layer_ids={layer_ids!r} must be target "
+            f"layer indices in [0, {num_layers - 1}] (the target has {num_layers} layers); use "
+            "the drafter trained for this target"
+        )
     model_cls, arch = ModelRegistry.resolve_model_cls(target_model_config.architectures,
                                                       target_model_config)
     if not supports_eagle3(model_cls):
@@ -248,7 +259,14 @@ def _validate_pair(config, target_model_config, options: DDTreeOptions) -> DDTre
             f"ddtree: the target architecture {arch} cannot return auxiliary hidden states "
             "(SupportsEagle3), which the DFlash drafter needs; use a supported target such as Qwen3"
         )
-    return resolve_depth(options, getattr(draft, "block_size", None))
+    return resolve_depth(options, _dflash_value(draft, "block_size"))
+
+
+def _dflash_value(draft_config, name: str):
+    """A DFlash key from ``dflash_config`` (which wins, as in vLLM's DFlash model) or the top level."""
+    nested = getattr(draft_config, "dflash_config", None) or {}
+    value = nested.get(name) if isinstance(nested, dict) else getattr(nested, name, None)
+    return getattr(draft_config, name, None) if value is None else value
 
 
 def _not_dflash(draft_name, archs) -> DDTreeConfigError:
