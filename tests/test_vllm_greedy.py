@@ -115,3 +115,28 @@ def test_drafter_with_other_attention_shapes(tmp_path, budget):
     assert mean_acceptance_length(spec_metrics(llm)) > 1.1
     assert ddtree_state(llm).num_compacted_slots > 0
     close(llm)
+
+
+@pytest.mark.parametrize("pair", ["tiny", "handmade"])
+def test_acceptance_equals_the_transformers_engine(tmp_path, pair):
+    """Round for round, vLLM with ddtree accepts what the independent transformers engine
+    (vllm_ddtree.hf, its own drafter and KV cache) accepts on the same prompts at T = 0: the
+    drafter's context after compaction is the committed text's, so nothing is lost in vLLM."""
+    from handmade_pair import make_pair
+    from vllm_utils import DRAFTER, TARGET
+
+    from vllm_ddtree.hf.evaluate import heldout_prompts, load_pair, measure_tau
+
+    target_dir, drafter_dir = (TARGET, DRAFTER) if pair == "tiny" else make_pair(tmp_path / "p")
+    target, drafter, tokenizer = load_pair(target_dir, drafter_dir)
+    prompts = heldout_prompts(tokenizer, 4, prompt_len=48)
+    hf = measure_tau(target, drafter, prompts, "ddtree", budget=32, max_new_tokens=40)
+    llm = make_llm({"method": "ddtree", "model": drafter_dir, "num_speculative_tokens": 32},
+                   model=target_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    metrics = spec_metrics(llm)
+    close(llm)
+    assert metrics["vllm:spec_decode_num_drafts"] == hf["rounds"]
+    assert mean_acceptance_length(metrics) == pytest.approx(hf["tau"], abs=1e-9)
+    assert hf["tau"] > 1.2
