@@ -212,6 +212,12 @@ def test_target_without_auxiliary_hidden_states(tmp_path):
                         "SupportsEagle3", "Qwen3", model=gpt2)
 
 
+def test_quantized_kv_cache():
+    """The CPU backend can keep fp8 K/V; tree attention and compaction read plain floats."""
+    assert_config_error(ddtree_spec(8), "kv_cache_dtype='fp8'", "drop --kv-cache-dtype",
+                        kv_cache_dtype="fp8")
+
+
 def test_async_scheduling():
     assert_config_error(ddtree_spec(8), "async scheduling", "--async-scheduling",
                         async_scheduling=True)

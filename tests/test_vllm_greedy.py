@@ -140,3 +140,18 @@ def test_acceptance_equals_the_transformers_engine(tmp_path, pair):
     assert metrics["vllm:spec_decode_num_drafts"] == hf["rounds"]
     assert mean_acceptance_length(metrics) == pytest.approx(hf["tau"], abs=1e-9)
     assert hf["tau"] > 1.2
+
+
+def test_bfloat16_engine():
+    """bf16 on the CPU: vLLM picks another kernel ISA (``amx`` where the CPU has AMX tiles) whose
+    K/V block layout is VNNI-packed; tree attention and compaction read it through the learned
+    slot maps (tests/test_cpu_kv_layout.py). The trained pair's margins survive bf16 rounding, so
+    outputs stay identical to plain bf16 decoding."""
+    engine = dict(ENGINE, dtype="bfloat16")
+    llm = make_llm(None, **engine)
+    expect = _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    close(llm)
+    llm = make_llm(ddtree_spec(32), **engine)
+    assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expect
+    assert ddtree_state(llm).num_compacted_slots > 0
+    close(llm)

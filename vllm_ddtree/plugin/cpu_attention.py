@@ -8,10 +8,12 @@ kernel, the node rows of every request with drafts are recomputed with the torch
 paged cache) plus the request's ancestor-only span. The root row is causal already.
 
 CPU K/V layout (one tensor per layer, ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``):
-for the ``vec``/``vec16`` kernels a block's K half is stored transposed, ``[head_dim,
-block_size]``, and its V half plain, ``[block_size, head_dim]``. :class:`CPUKVLayout` reads and
-writes slots in that layout; :func:`check_cpu_kv_layout` proves it against vLLM's own
-``cpu_attn_reshape_and_cache`` once per configuration and refuses to run otherwise.
+each (block, head) holds a K half and a V half of ``block_size * head_dim`` elements, whose
+inner order depends on the kernel ISA vLLM picked (``vec``/``vec16``: K transposed, V plain;
+``amx`` for bf16: VNNI-packed pairs). :func:`slot_maps` learns that order from vLLM's own
+``cpu_attn_reshape_and_cache`` once per configuration, and :class:`CPUKVLayout` reads and
+writes slots through it; a layout that is not a permutation of the slot elements (a
+quantized cache) is refused with a clear error.
 """
 
 from __future__ import annotations
@@ -46,58 +48,113 @@ class DDTreeCPUMetadata(CPUAttentionMetadata):
 class CPUKVLayout:
     """Slot reads and writes of one CPU layer cache ``[nb, nkv, bs, 2 * D]`` (see module doc).
 
-    Example: block_size 32, slot 70 = block 2, offset 6: K is ``k_t[2, :, :, 6]`` and V is
-    ``v[2, :, 6, :]``, each ``[num_kv_heads, head_dim]``.
+    ``k_index`` / ``v_index`` (``[bs, D]``, from :func:`slot_maps`) give the flat position of
+    element (offset, dim) inside a (block, head) half. Example (``vec``, block_size 32): K of
+    slot 70 = block 2, offset 6 is ``k[2, :, k_index[6]]`` = ``k[2, :, 6 + 32 * d]``.
     """
 
-    def __init__(self, kv_cache: torch.Tensor):
+    def __init__(self, kv_cache: torch.Tensor, k_index: torch.Tensor, v_index: torch.Tensor):
         if not kv_cache.is_contiguous():
             raise RuntimeError(
                 f"ddtree: expected a contiguous CPU KV cache per layer, got strides "
                 f"{kv_cache.stride()} for shape {tuple(kv_cache.shape)}"
             )
         nb, nkv, bs, two_d = kv_cache.shape
-        d = two_d // 2
         self.block_size = bs
-        # K half of each (block, head) region, reinterpreted as [head_dim, block_size]
-        self.k_t = kv_cache.as_strided(
-            (nb, nkv, d, bs), (nkv * 2 * bs * d, 2 * bs * d, bs, 1), kv_cache.storage_offset()
-        )
-        self.v = kv_cache.view(nb, nkv, 2 * bs, d)[:, :, bs:, :]
+        halves = kv_cache.view(nb, nkv, 2, bs * (two_d // 2))
+        self.k, self.v = halves[:, :, 0], halves[:, :, 1]  # [nb, nkv, bs * D] each
+        self.k_index, self.v_index = k_index, v_index
+
+    def _where(self, slots: torch.Tensor, index: torch.Tensor):
+        blocks, offsets = slots // self.block_size, slots % self.block_size
+        return blocks[:, None], index[offsets]  # [n, 1], [n, D]
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``slots [n]`` -> ``(K [n, nkv, D], V [n, nkv, D])``."""
-        blocks, offsets = slots // self.block_size, slots % self.block_size
-        return self.k_t[blocks, :, :, offsets], self.v[blocks, :, offsets, :]
+        kb, kp = self._where(slots, self.k_index)
+        vb, vp = self._where(slots, self.v_index)
+        # advanced indices around a slice: the result is [n, D, nkv]
+        return self.k[kb, :, kp].transpose(1, 2), self.v[vb, :, vp].transpose(1, 2)
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        blocks, offsets = slots // self.block_size, slots % self.block_size
-        self.k_t[blocks, :, :, offsets] = k
-        self.v[blocks, :, offsets, :] = v
+        kb, kp = self._where(slots, self.k_index)
+        vb, vp = self._where(slots, self.v_index)
+        self.k[kb, :, kp] = k.transpose(1, 2).to(self.k.dtype)
+        self.v[vb, :, vp] = v.transpose(1, 2).to(self.v.dtype)
+
+
+def _write_with_vllm(isa: str, dtype: torch.dtype, num_blocks: int, block_size: int,
+                     num_kv_heads: int, head_dim: int, k, v, slots) -> torch.Tensor:
+    from vllm import _custom_ops as ops
+
+    cache = torch.zeros(num_blocks, num_kv_heads, block_size, 2 * head_dim, dtype=dtype)
+    key_cache, value_cache = cache.view(num_blocks, num_kv_heads, 2 * block_size,
+                                        head_dim).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k.to(dtype).contiguous(), v.to(dtype).contiguous(),
+                                   key_cache, value_cache, slots, isa)
+    return cache
 
 
 @functools.lru_cache(maxsize=None)
-def check_cpu_kv_layout(isa: str, dtype: torch.dtype, block_size: int, num_kv_heads: int,
-                        head_dim: int) -> None:
-    """Write random K/V with vLLM's kernel and read them back through :class:`CPUKVLayout`."""
-    from vllm import _custom_ops as ops
+def slot_maps(isa: str, dtype: torch.dtype, block_size: int, num_kv_heads: int,
+              head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k_index, v_index)`` ``[block_size, head_dim]`` int64 for vLLM's CPU cache layout.
 
+    Learned from vLLM's writer: element (offset o, dim d) of every token of block 0 is written
+    as the base-16 digits of ``o * head_dim + d`` (+1, so unwritten zeros show), one digit per
+    pass (small integers are exact in every float dtype); where each code lands is its
+    position. The maps must be permutations, the same for every head, and must leave other
+    blocks untouched; then a random round trip through :class:`CPUKVLayout` must be exact.
+    """
+    def refuse(why: str) -> RuntimeError:
+        return RuntimeError(
+            f"ddtree: vLLM's CPU KV cache layout for isa={isa!r}, dtype={dtype}, "
+            f"block_size={block_size}, head_dim={head_dim} {why}; ddtree cannot run on this CPU "
+            "configuration (try --dtype float32)"
+        )
+
+    size = block_size * head_dim
+    code = torch.arange(size).view(block_size, 1, head_dim).expand(block_size, num_kv_heads,
+                                                                   head_dim)
+    found = torch.zeros(2, num_kv_heads, size, dtype=torch.int64)  # K, V codes at each position
+    digit = 1
+    while digit < size:
+        values = ((code // digit) % 16 + 1).float()
+        cache = _write_with_vllm(isa, dtype, 2, block_size, num_kv_heads, head_dim,
+                                 values, values, torch.arange(block_size))
+        halves = cache.view(2, num_kv_heads, 2, size).float()
+        if halves[1].any():
+            raise refuse("writes outside a slot's block")
+        got = halves[0].permute(1, 0, 2)  # [2 (K, V), nkv, size]
+        if not torch.equal(got, got.round()) or got.min() < 1 or got.max() > 16:
+            raise refuse("is not a permutation of the slot elements")
+        found += (got.long() - 1) * digit
+        digit *= 16
+    maps = []
+    for half in found:
+        if not (half == half[0]).all():
+            raise refuse("differs between KV heads")
+        if not torch.equal(half[0].sort().values, torch.arange(size)):
+            raise refuse("is not a permutation of the slot elements")
+        maps.append(half[0].argsort().view(block_size, head_dim))
+    k_index, v_index = maps
     gen = torch.Generator().manual_seed(0)
-    num_blocks, n = 3, 2 * block_size
-    cache = torch.zeros(num_blocks, num_kv_heads, block_size, 2 * head_dim, dtype=dtype)
+    n = 2 * block_size
     k = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
     v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:n]
-    view = cache.view(num_blocks, num_kv_heads, 2 * block_size, head_dim)
-    kc, vc = view.chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
-    got_k, got_v = CPUKVLayout(cache).read(slots)
+    slots = torch.randperm(3 * block_size, generator=gen)[:n]
+    cache = _write_with_vllm(isa, dtype, 3, block_size, num_kv_heads, head_dim, k, v, slots)
+    got_k, got_v = CPUKVLayout(cache, k_index, v_index).read(slots)
     if not (torch.equal(got_k, k) and torch.equal(got_v, v)):
-        raise RuntimeError(
-            f"ddtree: vLLM's CPU KV cache layout for isa={isa!r}, dtype={dtype}, "
-            f"block_size={block_size}, head_dim={head_dim} is not the one this plugin reads; "
-            "ddtree cannot run on this CPU configuration (try dtype=float32)"
-        )
+        raise refuse("does not round-trip through the learned slot maps")
+    return k_index, v_index
+
+
+def cpu_kv_layout(kv_cache: torch.Tensor, isa: str) -> CPUKVLayout:
+    """The :class:`CPUKVLayout` of one layer cache written by vLLM's kernel for ``isa``."""
+    _, num_kv_heads, block_size, two_d = kv_cache.shape
+    maps = slot_maps(isa, kv_cache.dtype, block_size, num_kv_heads, two_d // 2)
+    return CPUKVLayout(kv_cache, *maps)
 
 
 class DDTreeCPUMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -133,10 +190,8 @@ class DDTreeCPUImpl(CPUAttentionBackendImpl):
         info = getattr(attn_metadata, "ddtree", None)
         if info is None:
             return output
-        num_blocks, num_kv_heads, block_size, two_d = kv_cache.shape
-        head_dim = two_d // 2
-        check_cpu_kv_layout(layer.isa, kv_cache.dtype, block_size, num_kv_heads, head_dim)
-        layout = CPUKVLayout(kv_cache)
+        block_size, head_dim = kv_cache.shape[2], kv_cache.shape[3] // 2
+        layout = cpu_kv_layout(kv_cache, layer.isa)
         out = output.view(output.shape[0], -1, head_dim)
         seq_lens = attn_metadata.seq_lens
         for r, start, m in info.requests:
@@ -170,17 +225,19 @@ class DDTreeCPUBackend(CPUAttentionBackend):
         return DDTreeCPUMetadataBuilder
 
 
-def compact_cpu_kv(kv_caches: list[torch.Tensor], src_slots: torch.Tensor,
+def compact_cpu_kv(kv_caches: list[torch.Tensor], isa: str, src_slots: torch.Tensor,
                    dst_slots: torch.Tensor) -> None:
-    """Copy slot src[n] -> dst[n] in every CPU-layout layer cache; -1 entries are skipped.
+    """Copy slot src[n] -> dst[n] in every CPU-layout layer cache written for ``isa``; -1
+    entries are skipped.
 
-    All sources are read before any write, so overlapping moves are safe.
+    All sources are read (gathered into new tensors) before any write, so overlapping moves
+    are safe.
     """
     keep = (src_slots >= 0) & (dst_slots >= 0)
     src, dst = src_slots[keep], dst_slots[keep]
     if src.numel() == 0:
         return
     for cache in kv_caches:
-        layout = CPUKVLayout(cache)
+        layout = cpu_kv_layout(cache, isa)
         k, v = layout.read(src)
-        layout.write(dst, k.clone(), v.clone())
+        layout.write(dst, k, v)

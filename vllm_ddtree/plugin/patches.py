@@ -186,6 +186,11 @@ def _select_attention_backend(engine_args) -> None:
     from vllm.platforms import current_platform
     from vllm.utils.torch_utils import is_quantized_kv_cache
 
+    if is_quantized_kv_cache(engine_args.kv_cache_dtype):
+        raise DDTreeConfigError(
+            f"ddtree: kv_cache_dtype={engine_args.kv_cache_dtype!r} is not supported by tree "
+            "attention and K/V compaction; drop --kv-cache-dtype"
+        )
     if current_platform.is_cpu():
         return  # the CPU platform always uses CPU_ATTN
     if not current_platform.is_cuda():
@@ -197,11 +202,6 @@ def _select_attention_backend(engine_args) -> None:
             "ddtree: the CUDA path (Triton tree attention in vLLM) is experimental and has not "
             f"been validated end to end on a GPU yet; set {CUDA_OPT_IN}=1 to use it, or use "
             "method 'dflash'"
-        )
-    if is_quantized_kv_cache(engine_args.kv_cache_dtype):
-        raise DDTreeConfigError(
-            f"ddtree: kv_cache_dtype={engine_args.kv_cache_dtype!r} is not supported by the tree "
-            "attention kernel; drop --kv-cache-dtype"
         )
     config = engine_args.attention_config
     chosen = engine_args.attention_backend or (
@@ -430,25 +430,28 @@ def _wrap_prepare_inputs(original):
     return _prepare_inputs
 
 
-def _target_kv_caches_by_group(runner) -> list[tuple[int, int, list]]:
-    """``(kv-cache group id, head_dim, per-layer KV tensors)`` of the target's attention layers.
+def _target_kv_caches_by_group(runner) -> list[tuple[int, int, str | None, list]]:
+    """``(kv-cache group id, head_dim, CPU kernel isa or None, per-layer KV tensors)`` of the
+    target's attention layers.
 
     Drafter layers are excluded: DFlash rewrites their context K/V from the gathered hidden
     states at chain positions every step. A group whose layers differ in shape (vLLM's
     ``UniformTypeKVCacheSpecs``, e.g. a drafter with other KV heads than the target in the
-    target's group) is split by head size, so each entry holds caches of one shape.
+    target's group) is split by head size, so each entry holds caches of one shape and layout.
     """
     forward_context = runner.compilation_config.static_forward_context
     drafter_layers = set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ())
-    groups: dict[tuple[int, int], list] = {}
+    groups: dict[tuple[int, int, str | None], list] = {}
     for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
         per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", None) or {}
         for name in group.layer_names:
             if name in drafter_layers:
                 continue
+            layer = forward_context[name]
             head_dim = per_layer.get(name, group.kv_cache_spec).head_size
-            groups.setdefault((gid, head_dim), []).append(forward_context[name].kv_cache)
-    return [(gid, head_dim, caches) for (gid, head_dim), caches in groups.items()]
+            key = (gid, head_dim, getattr(layer, "isa", None))
+            groups.setdefault(key, []).append(layer.kv_cache)
+    return [(gid, head_dim, isa, caches) for (gid, head_dim, isa), caches in groups.items()]
 
 
 def _wrap_sample(original):
@@ -462,7 +465,7 @@ def _wrap_sample(original):
 
         src_rows, dst_rows = state.finish_verify(state.verdict)
         num_tokens = state.verify.num_tokens
-        for gid, head_dim, caches in _target_kv_caches_by_group(self):
+        for gid, head_dim, isa, caches in _target_kv_caches_by_group(self):
             # query row -> KV slot of this group (each group has its own block table)
             slot_mapping = self.input_batch.block_table[gid].slot_mapping.gpu[:num_tokens]
             src = slot_mapping[src_rows.clamp(min=0)].to(torch.int64).masked_fill(src_rows < 0, -1)
@@ -474,7 +477,7 @@ def _wrap_sample(original):
             else:
                 from vllm_ddtree.plugin.cpu_attention import compact_cpu_kv
 
-                compact_cpu_kv(caches, src, dst)
+                compact_cpu_kv(caches, isa, src, dst)
         state.count_compacted(src_rows)
         state.verify = None  # a later dummy run must not see this step's trees
         return output

@@ -1,0 +1,84 @@
+"""The plugin's reader/writer of vLLM's CPU KV cache (vllm_ddtree/plugin/cpu_attention.py).
+
+Oracle: vLLM's own writer, ``ops.cpu_attn_reshape_and_cache``, for every kernel ISA this machine
+runs (``vec`` and ``vec16`` everywhere on x86; ``amx`` for bf16 where the CPU has AMX tiles).
+Our ``CPUKVLayout.write`` must leave the cache byte-identical to vLLM's writer, ``read`` must
+return what vLLM wrote, and ``compact_cpu_kv`` must equal re-writing the moved tokens with
+vLLM's writer, for overlapping moves too.
+"""
+
+import pytest
+import torch
+
+from vllm_ddtree.plugin.cpu_attention import (
+    _write_with_vllm,
+    compact_cpu_kv,
+    cpu_kv_layout,
+    slot_maps,
+)
+
+AMX = torch.cpu._is_amx_tile_supported()
+CASES = [
+    # isa, dtype, block_size, num_kv_heads, head_dim
+    ("vec", torch.float32, 32, 2, 32),
+    ("vec", torch.float32, 128, 1, 128),
+    ("vec", torch.bfloat16, 64, 3, 64),
+    ("vec16", torch.float32, 16, 2, 48),
+    pytest.param("amx", torch.bfloat16, 128, 2, 64,
+                 marks=pytest.mark.skipif(not AMX, reason="this CPU has no AMX tiles")),
+    pytest.param("amx", torch.bfloat16, 32, 1, 128,
+                 marks=pytest.mark.skipif(not AMX, reason="this CPU has no AMX tiles")),
+]
+
+
+def random_kv(n, nkv, d, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(n, nkv, d, generator=gen).to(dtype)
+    v = torch.randn(n, nkv, d, generator=gen).to(dtype)
+    return k, v
+
+
+def test_vec_maps_are_the_known_layout():
+    """``vec``: K transposed per (block, head), ``[head_dim, block_size]``; V plain."""
+    bs, d = 32, 64
+    k_index, v_index = slot_maps("vec", torch.float32, bs, 2, d)
+    offset = torch.arange(bs)[:, None]
+    dim = torch.arange(d)[None, :]
+    assert torch.equal(k_index, offset + bs * dim)
+    assert torch.equal(v_index, offset * d + dim)
+
+
+@pytest.mark.parametrize("isa,dtype,bs,nkv,d", CASES)
+def test_read_and_write_match_vllms_writer(isa, dtype, bs, nkv, d):
+    num_blocks = 4
+    n = 3 * bs
+    k, v = random_kv(n, nkv, d, dtype, seed=1)
+    slots = torch.randperm(num_blocks * bs, generator=torch.Generator().manual_seed(2))[:n]
+    expect = _write_with_vllm(isa, dtype, num_blocks, bs, nkv, d, k, v, slots)
+    layout = cpu_kv_layout(expect, isa)
+    got_k, got_v = layout.read(slots)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    ours = torch.zeros_like(expect)
+    cpu_kv_layout(ours, isa).write(slots, k, v)
+    assert torch.equal(ours.view(torch.int8 if dtype != torch.float32 else torch.int32),
+                       expect.view(torch.int8 if dtype != torch.float32 else torch.int32))
+
+
+@pytest.mark.parametrize("isa,dtype,bs,nkv,d", CASES)
+def test_compaction_equals_rewriting_the_moved_tokens(isa, dtype, bs, nkv, d):
+    """A verify span of 2 * bs tokens starting mid-block; the accepted nodes move down to the
+    first draft slots, overlapping their own sources (node 3 -> slot 1 while node 1 -> ...)."""
+    num_blocks = 4
+    span = torch.arange(bs // 2, bs // 2 + 2 * bs)  # slots of the verify rows
+    k, v = random_kv(span.numel(), nkv, d, dtype, seed=3)
+    before = _write_with_vllm(isa, dtype, num_blocks, bs, nkv, d, k, v, span)
+    rows_src = torch.tensor([2, 3, 5, 9, bs + 1, 2 * bs - 1])  # accepted rows (chain order)
+    rows_dst = torch.arange(1, rows_src.numel() + 1)  # chain rows 1..6
+    moved_k, moved_v = k.clone(), v.clone()
+    moved_k[rows_dst], moved_v[rows_dst] = k[rows_src], v[rows_src]
+    expect = _write_with_vllm(isa, dtype, num_blocks, bs, nkv, d, moved_k, moved_v, span)
+    cache = before.clone()
+    src = torch.cat([span[rows_src], torch.tensor([-1])])  # -1: skipped
+    dst = torch.cat([span[rows_dst], torch.tensor([-1])])
+    compact_cpu_kv([cache, before], isa, src, dst)  # two layers, one call
+    assert torch.equal(cache, expect) and torch.equal(before, expect)
