@@ -50,7 +50,8 @@ def test_demo_ddtree_server_round_trip():
     r = demo.run_demo(method="ddtree", max_tokens=24, verbose=False)
     assert r["completion_tokens"] == 24 and r["answer"]
     m = r["metrics"]
-    assert m["num_drafts"] >= 1 and m["num_draft_tokens"] == 32 * m["num_drafts"]
+    # B = 32 draft nodes per verify step, fewer in the last steps before max_tokens
+    assert m["num_drafts"] >= 1 and m["num_drafts"] <= m["num_draft_tokens"] <= 32 * m["num_drafts"]
     assert 1.0 <= m["mean_acceptance_length"] <= 8.0  # at most L + 1 = 8 tokens per step
     assert r["server_returncode"] is not None  # stopped
     with socket.socket() as s, pytest.raises(ConnectionRefusedError):  # nobody listens any more

@@ -120,26 +120,51 @@ def test_drafter_with_other_attention_shapes(tmp_path, budget):
 @pytest.mark.parametrize("pair", ["tiny", "handmade"])
 def test_acceptance_equals_the_transformers_engine(tmp_path, pair):
     """Round for round, vLLM with ddtree accepts what the independent transformers engine
-    (vllm_ddtree.hf, its own drafter and KV cache) accepts on the same prompts at T = 0: the
-    drafter's context after compaction is the committed text's, so nothing is lost in vLLM."""
+    (vllm_ddtree.hf, its own drafter and KV cache, never clipped) accepts on the same prompts at
+    T = 0: the drafter's context after compaction is the committed text's, so nothing is lost
+    in vLLM. Rounds that start with fewer than L + 1 tokens left are clipped in vLLM (only the
+    usable nodes are drafted), so there only the emitted text is compared."""
     from handmade_pair import make_pair
     from vllm_utils import DRAFTER, TARGET
 
-    from vllm_ddtree.hf.evaluate import heldout_prompts, load_pair, measure_tau
+    from vllm_ddtree.hf.engine import generate
+    from vllm_ddtree.hf.evaluate import heldout_prompts, load_pair
 
     target_dir, drafter_dir = (TARGET, DRAFTER) if pair == "tiny" else make_pair(tmp_path / "p")
     target, drafter, tokenizer = load_pair(target_dir, drafter_dir)
+    depth, max_new = drafter.block_size - 1, 40
     prompts = heldout_prompts(tokenizer, 4, prompt_len=48)
-    hf = measure_tau(target, drafter, prompts, "ddtree", budget=32, max_new_tokens=40)
+    hf = [generate(target, drafter, p, method="ddtree", budget=32, max_new_tokens=max_new)
+          for p in prompts]
     llm = make_llm({"method": "ddtree", "model": drafter_dir, "num_speculative_tokens": 32},
                    model=target_dir)
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    metrics = spec_metrics(llm)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    emitted = {str(i): [] for i in range(len(prompts))}  # tokens per engine step
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            ids = list(out.outputs[0].token_ids)
+            emitted[out.request_id].append(len(ids) - sum(emitted[out.request_id]))
+            tokens[out.request_id] = ids
     close(llm)
-    assert metrics["vllm:spec_decode_num_drafts"] == hf["rounds"]
-    assert mean_acceptance_length(metrics) == pytest.approx(hf["tau"], abs=1e-9)
-    assert hf["tau"] > 1.2
+    compared = 0
+    for i, res in enumerate(hf):
+        steps = [n for n in emitted[str(i)] if n > 0]
+        assert tokens[str(i)] == res.output_ids
+        assert steps[0] == 1  # the prefill's token
+        done = 1
+        for round_, length in enumerate(res.acceptance_lengths):
+            if max_new - done - 1 < depth:
+                break  # from here on vLLM drafts only the usable nodes
+            assert steps[1 + round_] == length, (i, round_)
+            done += length
+            compared += 1
+    assert compared >= 2 * len(prompts)
+    tau = sum(sum(r.acceptance_lengths) for r in hf) / sum(len(r.num_accepted) for r in hf)
+    assert tau > 1.2  # real acceptance
 
 
 def test_bfloat16_engine():
@@ -154,4 +179,26 @@ def test_bfloat16_engine():
     llm = make_llm(ddtree_spec(32), **engine)
     assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expect
     assert ddtree_state(llm).num_compacted_slots > 0
+    close(llm)
+
+
+def test_budgets_clipped_near_max_tokens_and_max_model_len():
+    """Only nodes that can still be accepted are scheduled: with max_tokens = 3 the first
+    verify step may accept one token (depth-1 nodes only), after that no drafts are scheduled
+    at all; near max_model_len the same cut applies. Outputs stay identical."""
+    short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    to_the_end = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    engine = dict(ENGINE, max_model_len=96)
+    llm = make_llm(None, **engine)
+    expect = [_token_ids(llm.generate(PROMPTS, p, use_tqdm=False)) for p in (short, to_the_end)]
+    close(llm)
+    budget = 16
+    llm = make_llm(ddtree_spec(budget), **engine)
+    assert _token_ids(llm.generate(PROMPTS, short, use_tqdm=False)) == expect[0]
+    metrics = spec_metrics(llm)
+    assert metrics["vllm:spec_decode_num_drafts"] <= len(PROMPTS)  # one verify step at most
+    assert metrics["vllm:spec_decode_num_draft_tokens"] < budget * len(PROMPTS)
+    assert sum(metrics["vllm:spec_decode_num_accepted_tokens_per_pos"][1:]) == 0  # depth 1 only
+    assert _token_ids(llm.generate(PROMPTS, to_the_end, use_tqdm=False)) == expect[1]
+    assert min(len(ids) for ids in expect[1]) > 48  # ran into max_model_len
     close(llm)

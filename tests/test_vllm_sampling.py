@@ -269,7 +269,11 @@ class Engines:
         if kind != self.kind:
             self.close()
             # per-request acceptance histograms: the mean acceptance length of each setting
-            self.llm = make_llm(self.SPECS[kind](), per_request_spec_decode_metrics="summary")
+            # no chunked prefill: vLLM 0.32's CPU runner crashes on a seeded request whose
+            # prompt is split into chunks (CPU generators have no offset to rewind), with or
+            # without speculative decoding
+            self.llm = make_llm(self.SPECS[kind](), per_request_spec_decode_metrics="summary",
+                                enable_chunked_prefill=False)
             self.kind = kind
         return self.llm
 

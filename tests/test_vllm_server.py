@@ -262,5 +262,6 @@ def test_metrics_show_drafts_and_accepted_tokens(server, completion):
     m = demo.scrape_spec_metrics(server)  # parses vllm:spec_decode_* from the Prometheus text
     assert m["num_drafts"] > 0
     assert m["num_accepted_tokens"] > 0
-    assert m["num_draft_tokens"] == BUDGET * m["num_drafts"]  # B draft nodes per verify step
+    # B draft nodes per verify step, fewer in the last steps before max_tokens
+    assert m["num_drafts"] <= m["num_draft_tokens"] <= BUDGET * m["num_drafts"]
 

@@ -15,6 +15,8 @@ must exist with the parameters it expects.
 7. ``GPUModelRunner._sample``: after the walk, compact the accepted path's K/V.
 8. ``GPUModelRunner._input_fits_in_drafter``: the drafter needs depth + 1 slots past the
    committed tokens, not budget + 1 past every verified node.
+8b. ``GPUModelRunner.take_draft_token_ids``: per-request budgets clipped near ``max_tokens``
+   and ``max_model_len`` (only nodes that can still be accepted go to the scheduler).
 9. ``CPU_ATTN`` and ``TRITON_ATTN`` backend overrides: tree attention on the CPU and on CUDA
    (stock behaviour unless the engine runs ddtree).
 """
@@ -89,6 +91,7 @@ def install() -> None:
                               ("scheduler_output", "num_scheduled_tokens"))
     sample = _require(GPUModelRunner, "_sample", ("logits", "spec_decode_metadata"))
     fits = _require(GPUModelRunner, "_input_fits_in_drafter", ("common_attn_metadata",))
+    take_drafts = _require(GPUModelRunner, "take_draft_token_ids")
 
     EngineArgs.create_speculative_config = _wrap_create_speculative_config(create_spec)
     VllmConfig._get_v2_model_runner_unsupported_features = _wrap_v2_unsupported(v2_unsupported)
@@ -98,6 +101,7 @@ def install() -> None:
     GPUModelRunner._prepare_inputs = _wrap_prepare_inputs(prepare_inputs)
     GPUModelRunner._sample = _wrap_sample(sample)
     GPUModelRunner._input_fits_in_drafter = _wrap_input_fits_in_drafter(fits)
+    GPUModelRunner.take_draft_token_ids = _wrap_take_draft_token_ids(take_drafts)
     register_backend(
         AttentionBackendEnum.CPU_ATTN, "vllm_ddtree.plugin.cpu_attention.DDTreeCPUBackend"
     )
@@ -503,3 +507,16 @@ def _wrap_input_fits_in_drafter(original):
         return longest + state.depth + 1 <= self.effective_drafter_max_model_len
 
     return _input_fits_in_drafter
+
+
+def _wrap_take_draft_token_ids(original):
+    @functools.wraps(original)
+    def take_draft_token_ids(self):
+        drafts = original(self)
+        state = getattr(self, "ddtree_state", None)
+        if state is not None and drafts is not None:
+            state.clip_drafts(drafts.req_ids, drafts.draft_token_ids, self.requests,
+                              self.max_model_len)
+        return drafts
+
+    return take_draft_token_ids

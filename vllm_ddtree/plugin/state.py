@@ -2,7 +2,9 @@
 
 One :class:`TreeState` belongs to one model runner (no module-global context). A step goes:
 
-1. ``propose`` (step t) records each request's tree: :meth:`TreeState.record_proposal`.
+1. ``propose`` (step t) records each request's tree: :meth:`TreeState.record_proposal`; when
+   the drafts go to the scheduler, a request near ``max_tokens`` or ``max_model_len`` keeps
+   only the nodes it can still use (:meth:`TreeState.clip_drafts`).
 2. ``_prepare_inputs`` (step t+1) matches the scheduled drafts of each row with the tree
    proposed for that request and builds the verify batch: :meth:`TreeState.begin_verify`.
    Rows whose drafts are not that tree (placeholders after preemption, zeros when the input
@@ -14,6 +16,7 @@ One :class:`TreeState` belongs to one model runner (no module-global context). A
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +69,7 @@ class TreeState:
         self._proposed_rows: dict[str, int] = {}
         self._proposed: DraftTree | None = None
         self._proposed_probs: torch.Tensor | None = None
+        self._proposed_depths: torch.Tensor | None = None  # [R, B] host copy of node depths
         self.verify: VerifyBatch | None = None
         self.chain_positions: torch.Tensor | None = None  # [T] positions before the depth shift
         self.verdict: TreeVerdict | None = None
@@ -96,6 +100,70 @@ class TreeState:
         self._proposed_rows = {req_id: row for row, req_id in enumerate(req_ids)}
         self._proposed = tree
         self._proposed_probs = draft_probs
+        # Queued before vLLM's own copy of the draft ids, whose event vLLM waits on before it
+        # reads them: read in clip_drafts after that wait, so this adds no synchronisation.
+        self._proposed_depths = tree.depths.to(torch.int16).to("cpu", non_blocking=True)
+
+    def clip_drafts(self, req_ids: list[str], drafts: list[list[int]], requests: dict,
+                    max_model_len: int) -> None:
+        """Drop (in place) the drafts a request near its end can no longer use.
+
+        After this step request r holds ``n`` tokens, ``out`` of them outputs; its next verify
+        step emits ``accepted + 1`` tokens, and only ``max_tokens - out`` more are allowed
+        (``max_model_len - n`` by length), so nodes deeper than ``u = min(max_tokens - out - 1,
+        max_model_len - n - 1)`` can never be used. When ``u < L`` the request keeps its nodes
+        of depth <= u, in order (a subtree: ancestors are shallower), and the recorded proposal
+        is re-indexed to match, so the verify step sees exactly these nodes. Example: L = 7,
+        max_tokens 10 and 8 outputs so far: u = 1, only the depth-1 nodes stay; with 9 outputs
+        u = 0 and the request is scheduled without drafts.
+        """
+        depths = self._proposed_depths
+        if depths is None:
+            return
+        kept: dict[int, list[int]] = {}
+        for req_id, ids in zip(req_ids, drafts):
+            row = self._proposed_rows.get(req_id)
+            request = requests.get(req_id)
+            if row is None or request is None:
+                continue
+            useful = max_model_len - request.num_tokens - 1
+            max_tokens = getattr(request.sampling_params, "max_tokens", None)
+            if max_tokens is not None:
+                useful = min(useful, max_tokens - len(request.output_token_ids) - 1)
+            if useful >= self.depth:
+                continue
+            keep = [i for i, d in enumerate(depths[row, : len(ids)].tolist()) if 0 < d <= useful]
+            ids[:] = [ids[i] for i in keep]
+            kept[row] = keep
+        if kept:
+            self._reindex_proposal(kept)
+
+    def _reindex_proposal(self, kept: dict[int, list[int]]) -> None:
+        """Proposal row r keeps nodes ``kept[r]`` (in order) as its first nodes, the rest padding."""
+        tree = self._proposed
+        num_rows, width = tree.token_ids.shape
+        index = torch.arange(width).repeat(num_rows, 1)  # host: new node -> old node
+        inverse = index.clone()  # host: old node -> new node (-1: dropped)
+        valid = torch.ones(num_rows, width, dtype=torch.bool)
+        for row, keep in kept.items():
+            index[row], inverse[row], valid[row] = 0, -1, False
+            index[row, : len(keep)] = torch.tensor(keep, dtype=torch.int64)
+            inverse[row, keep] = torch.arange(len(keep))
+            valid[row, : len(keep)] = True
+        device = tree.token_ids.device
+        index, inverse, valid = (t.to(device, non_blocking=True) for t in (index, inverse, valid))
+        old_parents = tree.parents.gather(1, index)
+        parents = torch.where(old_parents >= 0, inverse.gather(1, old_parents.clamp(min=0)), -1)
+        self._proposed = dataclasses.replace(
+            tree,
+            token_ids=torch.where(valid, tree.token_ids.gather(1, index), -1),
+            parents=torch.where(valid, parents, -1),
+            depths=torch.where(valid, tree.depths.gather(1, index), 0),
+            scores=torch.where(valid, tree.scores.gather(1, index), float("-inf")),
+            num_nodes=valid.sum(dim=1),
+            ancestor_mask=_ancestor_mask(torch.where(valid, parents, -1), tree.max_depth),
+        )
+        # hsd_chain draft laws need no re-indexing: a chain keeps a prefix of its nodes
 
     def begin_verify(
         self,

@@ -1,0 +1,71 @@
+"""TreeState's per-request draft clipping near max_tokens / max_model_len (no engine).
+
+Oracle: the rule written out per request (keep the nodes of depth <= the usable depth, in
+order) and the verify tree rebuilt from those nodes by hand.
+"""
+
+from types import SimpleNamespace
+
+import torch
+
+from vllm_ddtree.plugin.options import DDTreeOptions
+from vllm_ddtree.plugin.state import TreeState
+from vllm_ddtree.tree import build_tree, unpack_mask
+
+DEPTH, BUDGET = 4, 12
+
+
+def request(num_prompt, num_out, max_tokens):
+    return SimpleNamespace(num_tokens=num_prompt + num_out, output_token_ids=[0] * num_out,
+                           sampling_params=SimpleNamespace(max_tokens=max_tokens))
+
+
+def proposed_state():
+    state = TreeState(DDTreeOptions(budget=BUDGET, depth=DEPTH), torch.device("cpu"))
+    logits = torch.randn(3, DEPTH, 5, generator=torch.Generator().manual_seed(1)) * 2
+    tree = build_tree(logits, BUDGET)
+    state.record_proposal(["a", "b", "c"], tree)
+    return state, tree
+
+
+def test_clip_drafts_keeps_the_usable_nodes_in_order():
+    state, tree = proposed_state()
+    requests = {
+        "a": request(2, 5, max_tokens=100),  # far from every limit: all nodes
+        "b": request(2, 5, max_tokens=8),  # 3 more tokens: accept <= 2 -> depth <= 2
+        "c": request(10, 5, max_tokens=100),  # max_model_len 17: 17 - 15 - 1 = 1 -> depth 1
+    }
+    drafts = [tree.token_ids[r].tolist() for r in range(3)]
+    state.clip_drafts(["a", "b", "c", "gone"], drafts + [[1, 2]], requests, max_model_len=17)
+    depths = tree.depths.tolist()
+    assert drafts[0] == tree.token_ids[0].tolist()
+    keep_b = [i for i in range(BUDGET) if depths[1][i] <= 2]
+    keep_c = [i for i in range(BUDGET) if depths[2][i] <= 1]
+    assert 0 < len(keep_c) < len(keep_b) < BUDGET, "the random trees must exercise the cut"
+    assert drafts[1] == [tree.token_ids[1, i].item() for i in keep_b]
+    assert drafts[2] == [tree.token_ids[2, i].item() for i in keep_c]
+
+    # the verify step sees exactly the kept nodes, with their parents re-indexed
+    scheduled = torch.tensor(sum(drafts, []))
+    verify = state.begin_verify(["a", "b", "c"], [len(d) for d in drafts], scheduled,
+                                [0, 20, 40], 60)
+    assert verify.matched.tolist() == [True, True, True]
+    for row, keep in ((1, keep_b), (2, keep_c)):
+        new_of = {old: new for new, old in enumerate(keep)}
+        parents = [-1 if tree.parents[row, i] < 0 else new_of[tree.parents[row, i].item()]
+                   for i in keep]
+        assert verify.tree.parents[row, : len(keep)].tolist() == parents
+        assert verify.tree.token_ids[row, : len(keep)].tolist() == drafts[row]
+        assert (verify.tree.token_ids[row, len(keep):] == -1).all()
+        mask = unpack_mask(verify.tree.ancestor_mask[row:row + 1], BUDGET + 1)[0]
+        for new, old in enumerate(keep):  # ancestors = the same nodes, re-indexed
+            old_mask = unpack_mask(tree.ancestor_mask[row:row + 1], BUDGET + 1)[0, old + 1]
+            ancestors = {new_of[j - 1] + 1 for j in range(1, BUDGET + 1) if old_mask[j]} | {0}
+            assert {j for j in range(BUDGET + 1) if mask[new + 1, j]} == ancestors
+
+
+def test_last_token_gets_no_drafts():
+    state, tree = proposed_state()
+    drafts = [tree.token_ids[1].tolist()]
+    state.clip_drafts(["b"], drafts, {"b": request(10, 7, max_tokens=8)}, max_model_len=1000)
+    assert drafts == [[]]  # one token left: it is the next bonus
