@@ -158,7 +158,9 @@ def main() -> None:
     print("summary:", json.dumps(summary))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "summary": summary, "rows": rows}, f, indent=2)
+        command = " ".join(["python benchmarks/acceptance.py", *sys.argv[1:]])
+        json.dump({"command": command, "args": vars(args), "summary": summary, "rows": rows}, f,
+                  indent=2)
     if any(r["engine"] == "hf" for r in rows):
         plot(rows, os.path.splitext(args.out)[0] + ".png")
     print(f"wrote {args.out}")
