@@ -245,6 +245,13 @@ def _validate_pair(config, target_model_config, options: DDTreeOptions) -> DDTre
             f"ddtree: drafter hidden_size={draft.hidden_size} != target hidden_size="
             f"{target_text.hidden_size}; use the drafter trained for this target"
         )
+    model_cls, arch = ModelRegistry.resolve_model_cls(target_model_config.architectures,
+                                                      target_model_config)
+    if not supports_eagle3(model_cls):
+        raise DDTreeConfigError(
+            f"ddtree: the target architecture {arch} cannot return auxiliary hidden states "
+            "(SupportsEagle3), which the DFlash drafter needs; use a supported target such as Qwen3"
+        )
     layer_ids = _dflash_value(draft, "target_layer_ids")
     num_layers = target_text.num_hidden_layers
     if layer_ids is not None and not (
@@ -255,13 +262,6 @@ def _validate_pair(config, target_model_config, options: DDTreeOptions) -> DDTre
             f"ddtree: the drafter's dflash_config.target_layer_ids={layer_ids!r} must be target "
             f"layer indices in [0, {num_layers - 1}] (the target has {num_layers} layers); use "
             "the drafter trained for this target"
-        )
-    model_cls, arch = ModelRegistry.resolve_model_cls(target_model_config.architectures,
-                                                      target_model_config)
-    if not supports_eagle3(model_cls):
-        raise DDTreeConfigError(
-            f"ddtree: the target architecture {arch} cannot return auxiliary hidden states "
-            "(SupportsEagle3), which the DFlash drafter needs; use a supported target such as Qwen3"
         )
     return resolve_depth(options, _dflash_value(draft, "block_size"))
 
