@@ -170,16 +170,17 @@ def _candidate_pairs(budget: int, k: int, device: torch.device) -> tuple[torch.T
     Pairs are in lexicographic (i, j) order, which a stable sort turns into the tie-break.
     Every i < budget has j = 0, so there are always at least ``budget`` pairs.
     Example: budget 4, k 4 -> i 0: j 0..3; i 1: j 0..1; i 2: j 0; i 3: j 0 (8 pairs).
+    Built with device ops only (no host-to-device copy, which CUDA's sync checker flags), so
+    even the first call for a shape needs no synchronisation.
     """
-    rows, cols = [], []
-    for i in range(budget):
-        width = min(k, budget // (i + 1))
-        rows.extend([i] * width)
-        cols.extend(range(width))
-    return (
-        torch.tensor(rows, dtype=torch.int64, device=device),
-        torch.tensor(cols, dtype=torch.int64, device=device),
-    )
+    total = sum(min(k, budget // (i + 1)) for i in range(budget))  # host arithmetic
+    prefix = torch.arange(budget, dtype=torch.int64, device=device)
+    widths = (budget // (prefix + 1)).clamp(max=k)
+    ends = widths.cumsum(0)  # one past the last pair of each row
+    pair = torch.arange(total, dtype=torch.int64, device=device)
+    rows = torch.searchsorted(ends, pair, right=True)
+    cols = pair - (ends - widths)[rows]
+    return rows, cols
 
 
 def build_tree(
