@@ -33,6 +33,7 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 
 from vllm_ddtree.kernels import KVCacheTable, compact_kv, tree_attention
+from vllm_ddtree.plugin.state import to_device
 
 
 @dataclass
@@ -55,10 +56,9 @@ def tree_mask_info(verify, device: torch.device) -> TreeMaskInfo | None:
     """
     if verify is None or not any(m > 0 for m in verify.num_draft):
         return None
-    has_tree = torch.tensor([m > 0 for m in verify.num_draft], dtype=torch.bool)
     return TreeMaskInfo(
         tree_mask=verify.tree.ancestor_mask.to(device=device, dtype=torch.int32),
-        has_tree=has_tree.to(device, non_blocking=True),
+        has_tree=to_device([m > 0 for m in verify.num_draft], torch.bool, device),
     )
 
 

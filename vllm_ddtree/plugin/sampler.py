@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from vllm.v1.outputs import SamplerOutput
 
-from vllm_ddtree.plugin.state import TreeState
+from vllm_ddtree.plugin.state import TreeState, to_device
 from vllm_ddtree.sampling import (
     SamplingBatch,
     hsd_verify,
@@ -111,7 +111,7 @@ class TreeRejectionSampler(nn.Module):
         for m in num_draft:
             row_of.append(list(range(start, start + m + 1)) + [-1] * (width - m))
             start += m + 1
-        rows = torch.tensor(row_of, dtype=torch.int64, device=logits.device)
+        rows = to_device(row_of, torch.int64, logits.device)
         padded = logits[rows.clamp(min=0)]  # [R, width + 1, V]; padding rows are never reached
         sampling = sampling_batch(sampling_metadata)
         if sampling is not None and sampling.generators:

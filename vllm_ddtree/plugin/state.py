@@ -38,6 +38,18 @@ class VerifyBatch:
     draft_probs: torch.Tensor | None = None  # [R, B, V] drafter law of sampled chains (hsd_chain)
 
 
+def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host data (a list or a CPU tensor) on ``device`` without a host synchronisation.
+
+    On CUDA the data is staged in pinned memory and copied asynchronously: a plain
+    ``torch.tensor(data, device="cuda")`` copies from pageable memory and waits for the stream.
+    """
+    host = torch.as_tensor(data, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def chain_parents(num_rows: int, width: int, device: torch.device) -> torch.Tensor:
     """``[num_rows, width]`` parents of a chain: node k hangs off node k - 1 (node 0 off the root)."""
     return (torch.arange(width, device=device) - 1).expand(num_rows, width)
@@ -151,7 +163,8 @@ class TreeState:
             inverse[row, keep] = torch.arange(len(keep))
             valid[row, : len(keep)] = True
         device = tree.token_ids.device
-        index, inverse, valid = (t.to(device, non_blocking=True) for t in (index, inverse, valid))
+        index, inverse = to_device(index, torch.int64, device), to_device(inverse, torch.int64, device)
+        valid = to_device(valid, torch.bool, device)
         old_parents = tree.parents.gather(1, index)
         parents = torch.where(old_parents >= 0, inverse.gather(1, old_parents.clamp(min=0)), -1)
         self._proposed = dataclasses.replace(
@@ -183,11 +196,11 @@ class TreeState:
         num_rows, width = len(req_ids), self.budget
         device = self.device
         node = torch.arange(width, device=device)
-        counts = torch.tensor(num_draft, dtype=torch.int64, device=device)
+        counts = to_device(num_draft, torch.int64, device)
         in_draft = node[None, :] < counts[:, None]  # [R, B]
         # scheduled drafts, padded to [R, B] with -1
         flat_drafts = draft_token_ids.to(device=device, dtype=torch.int64).flatten()
-        starts = torch.tensor([0] + num_draft[:-1], dtype=torch.int64, device=device).cumsum(0)
+        starts = to_device([0] + num_draft[:-1], torch.int64, device).cumsum(0)
         flat_index = (starts[:, None] + node[None, :]).clamp(max=max(flat_drafts.numel() - 1, 0))
         if flat_drafts.numel() == 0:
             flat_drafts = torch.full((1,), -1, dtype=torch.int64, device=device)
@@ -198,10 +211,8 @@ class TreeState:
         draft_probs = None
         proposed = self._proposed
         if proposed is not None and proposed.max_budget == width:
-            rows = torch.tensor(
-                [self._proposed_rows.get(req_id, -1) for req_id in req_ids],
-                dtype=torch.int64, device=device,
-            )
+            rows = to_device([self._proposed_rows.get(req_id, -1) for req_id in req_ids],
+                             torch.int64, device)
             p_tokens = proposed.token_ids[rows.clamp(min=0)]
             p_parents = proposed.parents[rows.clamp(min=0)]
             # the proposal's tokens as the scheduler saw them (zero-probability padding -> 0)
@@ -247,7 +258,7 @@ class TreeState:
         """
         assert self.verify is not None
         self.verdict = verdict
-        starts = torch.tensor(self.verify.query_start, dtype=torch.int64, device=self.device)
+        starts = to_device(self.verify.query_start, torch.int64, self.device)
         rows = verdict.accepted_rows[:, 1:]  # [R, L] query rows within the request, -1 pad
         depth = torch.arange(1, rows.shape[1] + 1, device=self.device)
         accepted = rows >= 0
