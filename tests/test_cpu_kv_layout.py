@@ -82,3 +82,33 @@ def test_compaction_equals_rewriting_the_moved_tokens(isa, dtype, bs, nkv, d):
     dst = torch.cat([span[rows_dst], torch.tensor([-1])])
     compact_cpu_kv([cache, before], isa, src, dst)  # two layers, one call
     assert torch.equal(cache, expect) and torch.equal(before, expect)
+
+
+def test_tree_rows_attention_is_the_reference_up_to_the_kernels_rounding():
+    """fp32 (any ISA) and non-AMX ISAs: exactly the torch reference. AMX bf16: the same
+    attention with the unnormalised probabilities rounded to bf16 (within bf16 error of the
+    reference, and bit-equal to that rounding written out here)."""
+    from vllm_ddtree.kernels import masked_attention_ref
+    from vllm_ddtree.plugin.cpu_attention import tree_rows_attention
+
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(5, 4, 32, generator=gen)
+    k, v = torch.randn(2, 20, 2, 32, generator=gen)
+    mask = torch.rand(5, 20, generator=gen) < 0.7
+    mask[:, 0] = True
+    for isa, dtype in (("vec", torch.float32), ("amx", torch.float32), ("vec", torch.bfloat16)):
+        args = (q.to(dtype), k.to(dtype), v.to(dtype), mask, 0.2)
+        assert torch.equal(tree_rows_attention(*args, isa), masked_attention_ref(*args))
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    got = tree_rows_attention(qb, kb, vb, mask, 0.2, "amx")
+    ref = masked_attention_ref(qb, kb, vb, mask, 0.2)
+    assert torch.allclose(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    kf = kb.float().repeat_interleave(2, dim=1)
+    vf = vb.float().repeat_interleave(2, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", qb.float(), kf) * 0.2
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = (scores - scores.amax(-1, keepdim=True)).exp()
+    expect = torch.einsum("hqk,khd->qhd", weights.bfloat16().float(), vf)
+    expect = expect / weights.sum(-1).transpose(0, 1)[..., None]
+    assert torch.equal(got, expect.bfloat16())
+    assert not torch.equal(got, ref)  # the rounding is really there
