@@ -129,7 +129,7 @@ class TreeState:
         max_tokens 10 and 8 outputs so far: u = 1, only the depth-1 nodes stay; with 9 outputs
         u = 0 and the request is scheduled without drafts.
         """
-        depths = self._proposed_depths
+        depths, self._proposed_depths = self._proposed_depths, None  # a proposal is clipped once
         if depths is None:
             return
         kept: dict[int, list[int]] = {}
