@@ -16,7 +16,6 @@ One :class:`TreeState` belongs to one model runner (no module-global context). A
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -79,7 +78,9 @@ class TreeState:
         self.options = options
         self.device = device
         self._proposed_rows: dict[str, int] = {}
-        self._proposed: DraftTree | None = None
+        # the latest proposal as begin_verify reads it: node tokens and parents, [R, B] each
+        self._proposed_tokens: torch.Tensor | None = None
+        self._proposed_parents: torch.Tensor | None = None
         self._proposed_probs: torch.Tensor | None = None
         self._proposed_depths: torch.Tensor | None = None  # [R, B] host copy of node depths
         self.verify: VerifyBatch | None = None
@@ -110,7 +111,7 @@ class TreeState:
         """Keep the trees drafted for ``req_ids`` (row r of ``tree`` is ``req_ids[r]``), and for
         sampled chains the drafter law they were drawn from (``[R, B, V]``)."""
         self._proposed_rows = {req_id: row for row, req_id in enumerate(req_ids)}
-        self._proposed = tree
+        self._proposed_tokens, self._proposed_parents = tree.token_ids, tree.parents
         self._proposed_probs = draft_probs
         # Queued before vLLM's own copy of the draft ids, whose event vLLM waits on before it
         # reads them: read in clip_drafts after that wait, so this adds no synchronisation.
@@ -152,8 +153,8 @@ class TreeState:
 
     def _reindex_proposal(self, kept: dict[int, list[int]]) -> None:
         """Proposal row r keeps nodes ``kept[r]`` (in order) as its first nodes, the rest padding."""
-        tree = self._proposed
-        num_rows, width = tree.token_ids.shape
+        tokens, parents = self._proposed_tokens, self._proposed_parents
+        num_rows, width = tokens.shape
         index = torch.arange(width).repeat(num_rows, 1)  # host: new node -> old node
         inverse = index.clone()  # host: old node -> new node (-1: dropped)
         valid = torch.ones(num_rows, width, dtype=torch.bool)
@@ -162,20 +163,13 @@ class TreeState:
             index[row, : len(keep)] = torch.tensor(keep, dtype=torch.int64)
             inverse[row, keep] = torch.arange(len(keep))
             valid[row, : len(keep)] = True
-        device = tree.token_ids.device
+        device = tokens.device
         index, inverse = to_device(index, torch.int64, device), to_device(inverse, torch.int64, device)
         valid = to_device(valid, torch.bool, device)
-        old_parents = tree.parents.gather(1, index)
-        parents = torch.where(old_parents >= 0, inverse.gather(1, old_parents.clamp(min=0)), -1)
-        self._proposed = dataclasses.replace(
-            tree,
-            token_ids=torch.where(valid, tree.token_ids.gather(1, index), -1),
-            parents=torch.where(valid, parents, -1),
-            depths=torch.where(valid, tree.depths.gather(1, index), 0),
-            scores=torch.where(valid, tree.scores.gather(1, index), float("-inf")),
-            num_nodes=valid.sum(dim=1),
-            ancestor_mask=_ancestor_mask(torch.where(valid, parents, -1), tree.max_depth),
-        )
+        old_parents = parents.gather(1, index)
+        new_parents = torch.where(old_parents >= 0, inverse.gather(1, old_parents.clamp(min=0)), -1)
+        self._proposed_tokens = torch.where(valid, tokens.gather(1, index), -1)
+        self._proposed_parents = torch.where(valid, new_parents, -1)
         # hsd_chain draft laws need no re-indexing: a chain keeps a prefix of its nodes
 
     def begin_verify(
@@ -209,12 +203,11 @@ class TreeState:
         tokens = scheduled
         matched = torch.zeros(num_rows, dtype=torch.bool, device=device)
         draft_probs = None
-        proposed = self._proposed
-        if proposed is not None and proposed.max_budget == width:
+        if self._proposed_tokens is not None and self._proposed_tokens.shape[1] == width:
             rows = to_device([self._proposed_rows.get(req_id, -1) for req_id in req_ids],
                              torch.int64, device)
-            p_tokens = proposed.token_ids[rows.clamp(min=0)]
-            p_parents = proposed.parents[rows.clamp(min=0)]
+            p_tokens = self._proposed_tokens[rows.clamp(min=0)]
+            p_parents = self._proposed_parents[rows.clamp(min=0)]
             # the proposal's tokens as the scheduler saw them (zero-probability padding -> 0)
             same = (torch.where(in_draft, p_tokens.clamp(min=0), -1) == scheduled).all(dim=1)
             matched = (rows >= 0) & same
