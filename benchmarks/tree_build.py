@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from vllm_ddtree.sampling import SamplingBatch, sample_tokens
-from vllm_ddtree.tree import build_tree, reference_build_tree, verify_tree
+from vllm_ddtree.tree import build_tree, reference_build_tree
+from vllm_ddtree.walk import verify_tree
 
 
 def _sync(device: torch.device) -> None:

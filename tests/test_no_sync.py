@@ -12,7 +12,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_ddtree.sampling import SamplingBatch, hsd_verify
-from vllm_ddtree.tree import build_tree, verify_tree
+from vllm_ddtree.tree import build_tree
+from vllm_ddtree.walk import verify_tree
 
 SYNCING_OPS = {
     "aten::_local_scalar_dense",  # .item(), float(t), int(t), bool(t)

@@ -8,7 +8,8 @@ import torch
 from lossless_utils import TableModel, chi_square_pvalue, max_abs_diff
 
 from vllm_ddtree.sampling import SamplingBatch, processed_logits, sample_tokens
-from vllm_ddtree.tree import DraftTree, build_tree, pack_mask, verify_tree, walk
+from vllm_ddtree.tree import DraftTree, build_tree, pack_mask
+from vllm_ddtree.walk import verify_tree, walk
 
 
 def _hand_tree(tokens, parents, max_depth):

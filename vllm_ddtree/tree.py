@@ -36,10 +36,7 @@ import torch
 
 __all__ = [
     "DraftTree",
-    "TreeVerdict",
     "build_tree",
-    "verify_tree",
-    "walk",
     "reference_build_tree",
     "pack_mask",
     "unpack_mask",
@@ -386,7 +383,3 @@ def reference_build_tree(draft_logits: torch.Tensor, budget: int) -> list[dict]:
                 heapq.heappush(heap, ((-float(s), d + 1, node, 0), d + 1, 0, node, s))
         trees.append(out)
     return trees
-
-
-# The walk lives in its own module; re-exported here so the tree API is one import.
-from vllm_ddtree.walk import TreeVerdict, verify_tree, walk  # noqa: E402

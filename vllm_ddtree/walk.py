@@ -15,14 +15,11 @@ ceil(log2(L + 1)) rounds of two gathers (4 rounds for L = 15) instead of L round
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from vllm_ddtree.sampling import PLACEHOLDER_TOKEN_ID, SamplingBatch, sample_tokens
-
-if TYPE_CHECKING:  # tree.py re-exports this module's API, so import it lazily
-    from vllm_ddtree.tree import DraftTree
+from vllm_ddtree.tree import DraftTree
 
 __all__ = ["TreeVerdict", "walk", "verify_tree"]
 

@@ -35,7 +35,8 @@ from vllm_ddtree.sampling import (
     target_probs_from_logits,
     tokenwise_verify,
 )
-from vllm_ddtree.tree import DraftTree, build_tree, pack_mask, verify_tree
+from vllm_ddtree.tree import DraftTree, build_tree, pack_mask
+from vllm_ddtree.walk import verify_tree
 
 from .drafter import DFlashDrafter, DrafterCache
 

@@ -33,6 +33,7 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 
 from vllm_ddtree.kernels import KVCacheTable, compact_kv, tree_attention
+from vllm_ddtree.plugin.options import ddtree_options
 from vllm_ddtree.plugin.state import to_device
 
 
@@ -74,8 +75,6 @@ class DDTreeTritonMetadataBuilder(TritonAttentionMetadataBuilder):
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        from vllm_ddtree.plugin.patches import ddtree_options
-
         if ddtree_options(vllm_config) is not None:
             return AttentionCGSupport.NEVER  # attention runs piecewise (see module doc)
         return super().get_cudagraph_support(vllm_config, kv_cache_spec)

@@ -44,6 +44,12 @@ class DDTreeOptions:
         return cls(**data)
 
 
+def ddtree_options(vllm_config) -> DDTreeOptions | None:
+    """The ddtree options of an engine's ``VllmConfig`` (None: the engine does not run ddtree)."""
+    data = (getattr(vllm_config, "additional_config", None) or {}).get(ADDITIONAL_CONFIG_KEY)
+    return None if data is None else DDTreeOptions.from_dict(data)
+
+
 def split_speculative_config(spec: dict) -> tuple[dict, DDTreeOptions]:
     """Split a user's ``method: "ddtree"`` config into vLLM's dflash config and our options.
 

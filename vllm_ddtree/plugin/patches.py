@@ -30,6 +30,7 @@ from vllm_ddtree.plugin.options import (
     ADDITIONAL_CONFIG_KEY,
     DDTreeConfigError,
     DDTreeOptions,
+    ddtree_options,
     resolve_depth,
     split_speculative_config,
 )
@@ -54,11 +55,6 @@ def _require(owner, name: str, params: tuple[str, ...] = ()):
             f"supports vLLM {SUPPORTED_VLLM[0]}.{SUPPORTED_VLLM[1]}.x only"
         )
     return attr
-
-
-def ddtree_options(vllm_config) -> DDTreeOptions | None:
-    data = (getattr(vllm_config, "additional_config", None) or {}).get(ADDITIONAL_CONFIG_KEY)
-    return None if data is None else DDTreeOptions.from_dict(data)
 
 
 def install() -> None:

@@ -49,8 +49,8 @@ class DDTreeProposer(DFlashProposer):
         assert tree is not None, "DFlash did not sample draft tokens"
         self._pending_tree = None
         num_reqs = tree.token_ids.shape[0]
-        state.record_proposal(list(self._runner.input_batch.req_ids[:num_reqs]), tree,
-                              self._pending_probs)
+        law = None if self._pending_probs is None else (self._pending_probs,)
+        state.record_proposal(list(self._runner.input_batch.req_ids[:num_reqs]), tree, law)
         # Zero-probability padding nodes (-1) go to the scheduler as token 0; the verify step
         # restores their -1 from the recorded tree, so they are never accepted.
         return tree.token_ids.clamp(min=0)

@@ -123,21 +123,21 @@ class TreeRejectionSampler(nn.Module):
         keep = min(out_width, verdict.output_tokens.shape[1])
         out[:, :keep] = verdict.output_tokens[:, :keep]
         state.verdict = verdict
-        if (state.options.mode == "hsd_chain" and verify.draft_probs is not None
+        if (state.options.mode == "hsd_chain" and verify.draft_law is not None
                 and width == state.budget):
             # Sampled chains: HSD where the drafts are the proposal at full length; the walk
             # (above) for placeholder or truncated rows. Chains need no K/V compaction.
             use_hsd = verify.matched & (tree.num_nodes == width)
             chains = tree.token_ids.clamp(min=0)
             target_probs = target_probs_from_logits(padded, sampling)
-            _, hsd_out = hsd_verify(chains, verify.draft_probs, target_probs)
+            _, hsd_out = hsd_verify(chains, verify.draft_law[0], target_probs)
             seeded = sampling.generators if sampling is not None and sampling.generators else {}
             for r, generator in seeded.items():
                 # seeded requests with a full chain: HSD's uniforms and residual draw from
                 # their own generator (rows without a chain draw nothing more from it)
                 if num_draft[r] != width:
                     continue
-                _, hsd_out[r:r + 1] = hsd_verify(chains[r:r + 1], verify.draft_probs[r:r + 1],
+                _, hsd_out[r:r + 1] = hsd_verify(chains[r:r + 1], verify.draft_law[0][r:r + 1],
                                                  target_probs[r:r + 1], generator=generator)
             out = torch.where(use_hsd[:, None], hsd_out[:, :out_width], out)
             state.verdict = None

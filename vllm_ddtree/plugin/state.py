@@ -34,7 +34,10 @@ class VerifyBatch:
     query_start: list[int]  # first query row of each request in the flat batch, host
     num_tokens: int  # T, scheduled tokens in the step
     matched: torch.Tensor  # [R] bool: the drafts are the tree proposed for this request
-    draft_probs: torch.Tensor | None = None  # [R, B, V] drafter law of sampled chains (hsd_chain)
+    # hsd_chain: the drafter law the chains were sampled from, as the proposer recorded it
+    # (a tuple of tensors with one row per request), rows gathered into this batch's order;
+    # rows where ``matched`` is False are meaningless
+    draft_law: tuple[torch.Tensor, ...] | None = None
 
 
 def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -81,7 +84,7 @@ class TreeState:
         # the latest proposal as begin_verify reads it: node tokens and parents, [R, B] each
         self._proposed_tokens: torch.Tensor | None = None
         self._proposed_parents: torch.Tensor | None = None
-        self._proposed_probs: torch.Tensor | None = None
+        self._proposed_law: tuple[torch.Tensor, ...] | None = None
         self._proposed_depths: torch.Tensor | None = None  # [R, B] host copy of node depths
         self.verify: VerifyBatch | None = None
         self.chain_positions: torch.Tensor | None = None  # [T] positions before the depth shift
@@ -107,12 +110,12 @@ class TreeState:
         return self.options.depth
 
     def record_proposal(self, req_ids: list[str], tree: DraftTree,
-                        draft_probs: torch.Tensor | None = None) -> None:
+                        draft_law: tuple[torch.Tensor, ...] | None = None) -> None:
         """Keep the trees drafted for ``req_ids`` (row r of ``tree`` is ``req_ids[r]``), and for
-        sampled chains the drafter law they were drawn from (``[R, B, V]``)."""
+        sampled chains the drafter law they were drawn from (tensors with one row per request)."""
         self._proposed_rows = {req_id: row for row, req_id in enumerate(req_ids)}
         self._proposed_tokens, self._proposed_parents = tree.token_ids, tree.parents
-        self._proposed_probs = draft_probs
+        self._proposed_law = draft_law
         # Queued before vLLM's own copy of the draft ids, whose event vLLM waits on before it
         # reads them: read in clip_drafts after that wait, so this adds no synchronisation.
         self._proposed_depths = tree.depths.to(torch.int16).to("cpu", non_blocking=True)
@@ -202,7 +205,7 @@ class TreeState:
         parents = chain_parents(num_rows, width, device)
         tokens = scheduled
         matched = torch.zeros(num_rows, dtype=torch.bool, device=device)
-        draft_probs = None
+        draft_law = None
         if self._proposed_tokens is not None and self._proposed_tokens.shape[1] == width:
             rows = to_device([self._proposed_rows.get(req_id, -1) for req_id in req_ids],
                              torch.int64, device)
@@ -213,8 +216,8 @@ class TreeState:
             matched = (rows >= 0) & same
             parents = torch.where(matched[:, None], p_parents, parents)
             tokens = torch.where(matched[:, None], p_tokens, scheduled)
-            if self._proposed_probs is not None:
-                draft_probs = self._proposed_probs[rows.clamp(min=0)]
+            if self._proposed_law is not None:
+                draft_law = tuple(t[rows.clamp(min=0)] for t in self._proposed_law)
         tokens = torch.where(in_draft, tokens, -1)
         parents = torch.where(in_draft, parents, -1)
         tree = DraftTree(
@@ -229,7 +232,7 @@ class TreeState:
         self.last_num_draft = list(num_draft)
         self.verify = VerifyBatch(tree=tree, num_draft=list(num_draft),
                                   query_start=list(query_start), num_tokens=num_tokens,
-                                  matched=matched, draft_probs=draft_probs)
+                                  matched=matched, draft_law=draft_law)
         self.verdict = None
         self.gather_index = None
         return self.verify
