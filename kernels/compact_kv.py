@@ -21,7 +21,10 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 MAX_TILE_ELEMS = 8192  # registers of one program (4 warps x 32 threads x 64 values)
-MAX_TILE_SLOTS = MAX_TILE_ELEMS  # up to here every source is read before any write
+# NOTE: the tile is a constant, not the next power of two of the batch's slot count: a tile
+# that followed the batch would compile a new kernel for every new power-of-two batch while
+# serving (seconds of stall). Slots beyond one tile go in tiles in increasing n.
+DEFAULT_BLOCK_S = 64
 
 
 @dataclass(frozen=True)
@@ -66,13 +69,15 @@ class KVCacheTable:
         return self.pointers.device
 
 
-def _tiles(num_slots: int, num_elems: int, block_s: int | None) -> tuple[int, int]:
-    """(BLOCK_S, BLOCK_E): all slots in one tile when they fit, elements split to fit.
+def _tiles(num_elems: int, block_s: int | None) -> tuple[int, int]:
+    """(BLOCK_S, BLOCK_E): ``block_s`` slots (default :data:`DEFAULT_BLOCK_S`) per tile, the
+    slot's elements split so that a tile fits a program's registers. Neither depends on the
+    number of slots, so one compiled kernel serves every batch.
 
-    Example: 16 slots of 8 x 128 = 1024 elements -> (16, 256); 512 slots -> (512, 16).
+    Example: 8 KV heads x 128 = 1024 elements -> (64, 128); block_s 16 -> (16, 256).
     """
     if block_s is None:
-        block_s = min(next_power_of_2(num_slots), MAX_TILE_SLOTS)
+        block_s = DEFAULT_BLOCK_S
     if block_s < 1 or block_s & (block_s - 1):
         raise ValueError(f"block_s={block_s} must be a power of two")
     block_e = max(1, min(256, MAX_TILE_ELEMS // block_s, next_power_of_2(num_elems)))
@@ -94,12 +99,12 @@ def compact_kv(
 
     Note
     ----
-    With ``num_slots <= MAX_TILE_SLOTS`` (8192) every program reads all its sources before it
-    writes any destination (a barrier separates them), so ANY overlap of sources and
-    destinations is safe, as in :func:`compact_kv_ref`. Beyond that (or with an explicit
-    ``block_s``), slots go in tiles of ``block_s`` in increasing n and overlaps are safe only
-    in the tree-compaction pattern: within a request the token positions behind both lists
-    increase and ``position(dst[n]) <= position(src[n])``, and requests own disjoint blocks.
+    Slots go in tiles of ``block_s`` (default 64) in increasing n; inside a tile every source
+    is read before any destination is written (a barrier separates them). So ANY overlap is
+    safe when ``num_slots <= block_s``, as in :func:`compact_kv_ref`; beyond that overlaps are
+    safe in the tree-compaction pattern: within a request the token positions behind both
+    lists increase and ``position(dst[n]) <= position(src[n])``, and requests own disjoint
+    blocks (then no tile reads a slot that an earlier tile wrote).
 
     Example
     -------
@@ -119,7 +124,7 @@ def compact_kv(
         return
     _, block_size, num_kv_heads, head_dim = table.shape
     num_elems = num_kv_heads * head_dim
-    block_s, block_e = _tiles(num_slots, num_elems, block_s)
+    block_s, block_e = _tiles(num_elems, block_s)
 
     import triton.language as tl  # lazy: needs Triton
 

@@ -6,7 +6,7 @@ One program = (cache c of the pointer table, chunk of BLOCK_E elements of a slot
 num_kv_heads * head_dim). Different programs touch disjoint memory (other caches or other
 elements of a slot). A program walks the slots in tiles of BLOCK_S, in increasing n, and inside
 a tile a barrier separates the loads of every source from the stores: when all slots fit in
-one tile (the launcher's default up to 8192 slots) any overlap is safe. With several tiles a
+one tile any overlap is safe. With several tiles a
 source must not be read after an earlier tile wrote it, which tree compaction guarantees:
 pos(dst[m]) <= pos(src[m]) < pos(src[n]) for m < n within a request (pos = token position,
 mapped one-to-one to slots by the request's block table), and requests own disjoint blocks.
@@ -17,7 +17,12 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# NOTE: Triton specialises integer arguments on their value (== 1, divisible by 16); the slot
+# count changes every step, so it is not specialised (one compiled kernel for every batch).
+DO_NOT_SPECIALIZE = ("num_slots",)
+
+
+@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE)
 def compact_kv_kernel(
     cache_ptrs_ptr,  # [num_caches] int64 data pointers: K0, V0, K1, V1, ...
     src_slots_ptr,  # [num_slots] int32/int64, -1 = padding

@@ -11,19 +11,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from triton_utils import interpreter_on_cpu
+from sync_checker import NoHostSync, no_host_sync
+from triton_utils import LaunchRecorder, interpreter_on_cpu
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
 
 from vllm_ddtree.kernels import compact_kv_ref, tree_attention_ref
 from vllm_ddtree.plugin import patches
+from vllm_ddtree.plugin.compaction import KVCompactor, kv_views
 from vllm_ddtree.plugin.cuda_attention import (
     DDTreeTritonImpl,
     DDTreeTritonMetadata,
     DDTreeTritonMetadataBuilder,
-    compact_cuda_kv,
-    kv_views,
     tree_mask_info,
+    warm_up_tree_attention,
 )
 from vllm_ddtree.plugin.options import DDTreeConfigError, DDTreeOptions
 from vllm_ddtree.plugin.state import TreeState
@@ -113,30 +114,111 @@ def test_verify_forward_matches_reference(physical_nhd):
     assert not torch.allclose(causal[1:13], expected[1:13], atol=1e-3)
 
 
-def test_unsupported_layer_features_fail_loudly():
-    impl = DDTreeTritonImpl(NUM_HEADS, HEAD_DIM, 1.0, NUM_KV_HEADS, None, 64, "auto")
+def test_fused_output_quantization_fails_loudly():
+    """Layer features are refused at engine start (tests/test_vllm_support.py); fused output
+    quantization is only visible in forward."""
+    impl = DDTreeTritonImpl(NUM_HEADS, HEAD_DIM, 1.0, NUM_KV_HEADS, None, None, "auto")
     meta = SimpleNamespace(ddtree=object())
-    with pytest.raises(NotImplementedError, match="sliding window"):
-        impl.forward(None, None, None, None, None, meta, None)
+    with pytest.raises(NotImplementedError, match="fused output quantization"):
+        impl.forward(None, None, None, None, None, meta, None, output_scale=torch.ones(1))
+
+
+def fake_runner(caches, slot_mapping, *, drafter_layers=(), shared=(), impl=None, budget=12,
+                max_blocks=8):
+    """The runner attributes compaction and warm-up read: layers "L0".. with their caches (a
+    layer of ``shared`` aliases L0's cache, as KV sharing does), one KV-cache group, and a
+    persistent block table ``[4, max_blocks]`` whose device views keep its row stride."""
+    names = [f"L{i}" for i in range(len(caches))] + list(shared)
+    layers = {f"L{i}": SimpleNamespace(kv_cache=c, impl=impl) for i, c in enumerate(caches)}
+    layers.update({name: SimpleNamespace(kv_cache=caches[0], impl=impl) for name in shared})
+    table = torch.zeros(4, max_blocks, dtype=torch.int32)
+    block_table = SimpleNamespace(slot_mapping=SimpleNamespace(gpu=slot_mapping),
+                                  get_device_tensor=lambda n: table[:n])
+    return SimpleNamespace(
+        drafter=SimpleNamespace(_draft_attn_layer_names=set(drafter_layers)),
+        kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(
+            layer_names=names, kv_cache_spec=SimpleNamespace(head_size=HEAD_DIM))]),
+        compilation_config=SimpleNamespace(static_forward_context=layers),
+        input_batch=SimpleNamespace(block_table=[block_table]),
+        ddtree_state=SimpleNamespace(budget=budget),
+    )
 
 
 @pytest.mark.parametrize("physical_nhd", [False, True])
 def test_compaction_on_the_cuda_layout(physical_nhd):
+    """KVCompactor on vLLM's CUDA layout (Triton kernel, interpreted): target layers only,
+    a KV-shared layer moved once, no host sync or pageable upload per step."""
     gen = torch.Generator().manual_seed(2)
-    caches = [cuda_layout_cache(gen, physical_nhd) for _ in range(3)]
-    original = [c.clone() for c in caches]
+    caches = [cuda_layout_cache(gen, physical_nhd) for _ in range(4)]  # L3: the drafter's
     before = [c.clone() for c in caches]
-    # the tree pattern: accepted nodes move down onto the first draft slots (overlapping)
-    src = torch.tensor([-1, 44, 48, 51, 100, -1], dtype=torch.int64)
-    dst = torch.tensor([-1, 42, 43, 44, 97, 7], dtype=torch.int64)
-    compact_cuda_kv(caches, HEAD_DIM, src, dst)
-    expected = [kv_views(c, HEAD_DIM) for c in before]
-    keep = (src >= 0) & (dst >= 0)
-    compact_kv_ref(expected, src[keep], dst[keep])
-    for got, (k, v) in zip(caches, expected):
+    slot_mapping = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:64]  # row -> slot
+    runner = fake_runner(caches, slot_mapping, drafter_layers=["L3"], shared=["S0"])
+    compactor = KVCompactor(runner, use_triton=True)
+    assert [len(g.caches) for g in compactor.groups] == [3]  # L0 (= S0), L1, L2
+    # the tree pattern: accepted nodes move down onto the first draft rows (overlapping)
+    src_rows = torch.tensor([-1, 44, 48, 51, 60, -1], dtype=torch.int64)
+    dst_rows = torch.tensor([-1, 42, 43, 44, 57, 7], dtype=torch.int64)
+    checker = NoHostSync(scope=("vllm_ddtree/plugin/compaction.py", "kernels/compact_kv.py"),
+                         allowed_uploads=(("plugin/state.py", "to_device"),))
+    with no_host_sync(checker):
+        compactor.compact(src_rows, dst_rows, num_tokens=64)
+    assert checker.num_checked > 0
+    keep = (src_rows >= 0) & (dst_rows >= 0)
+    for got, cache in zip(caches, before):
+        if cache is before[3]:
+            assert torch.equal(got, cache), "a drafter layer was compacted"
+            continue
+        expected = [kv_views(cache.clone(), HEAD_DIM)]
+        compact_kv_ref(expected, slot_mapping[src_rows[keep]], slot_mapping[dst_rows[keep]])
         got_k, got_v = kv_views(got, HEAD_DIM)
-        assert torch.equal(got_k, k) and torch.equal(got_v, v)
-    assert not torch.equal(caches[0], original[0])  # something moved
+        assert torch.equal(got_k, expected[0][0]) and torch.equal(got_v, expected[0][1])
+        assert not torch.equal(got, cache)  # something moved
+
+
+def test_kernels_compile_once_for_every_batch(monkeypatch):
+    """The warm-up at engine start launches each kernel with the compile key of every verify
+    step: serving batches of any size (1 to 300 moved slots, 1 to 4 requests) never compile."""
+    import vllm_ddtree.kernels.compact_kv_kernel as compact_module
+    import vllm_ddtree.kernels.tree_attention_kernel as attention_module
+
+    compact_kv_launches = LaunchRecorder(compact_module.compact_kv_kernel)
+    attention_launches = LaunchRecorder(attention_module.tree_attention_kernel)
+    monkeypatch.setattr(compact_module, "compact_kv_kernel", compact_kv_launches)
+    monkeypatch.setattr(attention_module, "tree_attention_kernel", attention_launches)
+    gen = torch.Generator().manual_seed(3)
+    caches = [cuda_layout_cache(gen, False) for _ in range(2)]
+    slot_mapping = torch.arange(NUM_BLOCKS * BLOCK_SIZE)
+    impl = DDTreeTritonImpl(NUM_HEADS, HEAD_DIM, HEAD_DIM**-0.5, NUM_KV_HEADS, None, None, "auto")
+    runner = fake_runner(caches, slot_mapping, impl=impl, budget=12)
+    compactor = KVCompactor(runner, use_triton=True)
+    compactor.warm_up()
+    warm_up_tree_attention(runner)
+    warm = (set(compact_kv_launches.keys), set(attention_launches.keys))
+    assert len(warm[0]) == 1 and len(warm[1]) == 1
+    for n in (1, 5, 16, 17, 64, 300):
+        rows = torch.randint(0, 300, (n,), generator=gen)
+        compactor.compact(rows, rows, num_tokens=300)
+    state = TreeState(DDTreeOptions(budget=12, depth=5), torch.device("cpu"))
+    for num_draft in ([12], [3, 0], [12, 12, 1], [0, 7, 12, 2]):
+        q_lens = [m + 1 if m else 5 for m in num_draft]
+        verify = verify_batch(state, gen, num_draft, q_lens)
+        num_reqs, num_tokens = len(num_draft), sum(q_lens)
+        seq_lens = torch.tensor([q + 9 for q in q_lens], dtype=torch.int32)
+        meta = DDTreeTritonMetadata(
+            num_actual_tokens=num_tokens, max_query_len=max(q_lens),
+            query_start_loc=torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).int(),
+            max_seq_len=int(seq_lens.max()), seq_lens=seq_lens,
+            block_table=runner.input_batch.block_table[0].get_device_tensor(num_reqs),
+            slot_mapping=torch.zeros(num_tokens, dtype=torch.int64), seq_threshold_3D=0,
+            num_par_softmax_segments=0, softmax_segm_output=None, softmax_segm_max=None,
+            softmax_segm_expsum=None, causal=True,
+            ddtree=tree_mask_info(verify, torch.device("cpu")),
+        )
+        query = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=gen)
+        impl.forward(None, query, None, None, caches[0], meta,
+                     torch.empty(num_tokens, NUM_HEADS * HEAD_DIM))
+    assert len(compact_kv_launches.keys) == 7 and len(attention_launches.keys) == 5
+    assert (set(compact_kv_launches.keys), set(attention_launches.keys)) == warm
 
 
 def test_cudagraph_support_is_piecewise_for_ddtree_only():

@@ -1,13 +1,25 @@
 """Sampled-chain verifiers: exact losslessness, HSD >= token-wise, Monte Carlo of the batched code."""
 
 import itertools
+import math
 from collections import Counter, defaultdict
 
 import pytest
 import torch
 from lossless_utils import TableModel, chi_square_pvalue, max_abs_diff
 
-from vllm_ddtree.sampling import SamplingBatch, hsd_stop_probabilities, hsd_verify, tokenwise_verify
+from vllm_ddtree.sampling import (
+    SamplingBatch,
+    hsd_stop_probabilities,
+    hsd_verify,
+    hsd_verify_sparse,
+    pack_sparse_law,
+    sparse_hsd_residual,
+    sparse_hsd_stop_probabilities,
+    tokenwise_verify,
+    top_k_draft_law,
+    unpack_sparse_law,
+)
 
 _T1 = SamplingBatch(temperature=torch.tensor([1.0]))
 
@@ -166,3 +178,153 @@ def test_chain_shape_errors():
         hsd_verify(torch.zeros(2, 3, dtype=torch.long), torch.rand(2, 3, 5), torch.rand(2, 3, 5))
     with pytest.raises(ValueError, match="draft_probs.shape"):
         tokenwise_verify(torch.zeros(2, 3, dtype=torch.long), torch.rand(2, 2, 5), torch.rand(2, 4, 5))
+
+
+# ---------------------------------------------------------------------------------------------
+# sparse draft laws (the vLLM plugin's hsd_chain): the same verifier, the law on K tokens
+
+
+def _random_sparse_law(batch, g, vocab, k, gen):
+    """``(probs [batch, g, k] float32 with some zeros, ids [batch, g, k] distinct)``."""
+    ids = torch.stack([torch.randperm(vocab, generator=gen)[:k] for _ in range(batch * g)])
+    ids = ids.view(batch, g, k)
+    probs = torch.rand(batch, g, k, generator=gen) * (torch.rand(batch, g, k, generator=gen) > 0.2)
+    probs[..., 0] += 0.1  # never all zero
+    return probs / probs.sum(-1, keepdim=True), ids
+
+
+def _sparse_levels(chains, probs, ids, target):
+    """:func:`sparse_hsd_stop_probabilities` with its target inputs taken from dense rows."""
+    g = chains.shape[1]
+    p = target[:, :g].double()
+    return sparse_hsd_stop_probabilities(chains, probs, ids, p.gather(2, ids),
+                                         p.scatter(2, ids, 0.0).sum(-1),
+                                         p.gather(2, chains[..., None]).squeeze(2))
+
+
+def _densify(probs, ids, vocab):
+    return torch.zeros(*probs.shape[:2], vocab, dtype=probs.dtype).scatter(2, ids, probs)
+
+
+@pytest.mark.parametrize("vocab,k,g", [(50, 8, 4), (7, 7, 3), (300, 1, 2)])
+def test_sparse_hsd_equals_dense_on_the_densified_law(vocab, k, g):
+    """Same h (to float64 rounding: Z sums in another order) and the same residual at every
+    level, bit for bit, as :func:`hsd_stop_probabilities` on the densified law."""
+    gen = torch.Generator().manual_seed(vocab + k)
+    batch = 64
+    probs, ids = _random_sparse_law(batch, g, vocab, k, gen)
+    pick = torch.multinomial(probs.view(-1, k), 1, generator=gen).view(batch, g, 1)
+    chains = ids.gather(2, pick).squeeze(2)
+    target = (torch.randn(batch, g + 1, vocab, generator=gen, dtype=torch.float64) * 2).softmax(-1)
+    # rows 0-7: the target (nearly) equals the draft law, p / q ~ 1 and Z ~ 0: h's edge
+    close = _densify(probs, ids, vocab)[:8].double()
+    target[:8, :g] = close / close.sum(-1, keepdim=True)
+    h_dense, residual_dense = hsd_stop_probabilities(chains, _densify(probs, ids, vocab), target)
+    h, prefix = _sparse_levels(chains, probs, ids, target)
+    torch.testing.assert_close(h, h_dense, rtol=1e-12, atol=1e-14)
+    assert (h > 0).any() and (h < 1).any()
+    for level in range(g + 1):
+        at = min(level, g - 1)
+        residual = sparse_hsd_residual(prefix[:, level], target[:, level], probs[:, at], ids[:, at],
+                                       torch.full((batch,), level == g))
+        assert torch.equal(residual, residual_dense[:, level]), level
+
+
+def _sparse_chain_inputs(target: TableModel, draft: TableModel, g: int, k: int):
+    """Every draft in the support of the drafter's top-k law (T = 1), its probability, and the
+    sparse law and target rows along it."""
+    p_all = target.processed(_T1)
+    probs_all, ids_all = top_k_draft_law(draft.logits[:, None], torch.ones(len(draft.prefixes)), k)
+    probs_all, ids_all = probs_all[:, 0].double(), ids_all[:, 0]
+    probs_all /= probs_all.sum(-1, keepdim=True)  # the float32 law, normalised in float64
+    drafts, q_seq = [], []
+    for x in itertools.product(range(target.vocab), repeat=g):
+        q = 1.0
+        for i in range(g):
+            row = draft.index[x[:i]]
+            hit = (ids_all[row] == x[i]).nonzero()
+            q *= float(probs_all[row, hit[0, 0]]) if len(hit) else 0.0
+        if q > 0:
+            drafts.append(x)
+            q_seq.append(q)
+    rows_q = [[draft.index[x[:i]] for i in range(g)] for x in drafts]
+    rows_p = [[target.index[x[:i]] for i in range(g + 1)] for x in drafts]
+    rows_q, rows_p = torch.tensor(rows_q), torch.tensor(rows_p)
+    return (torch.tensor(drafts), torch.tensor(q_seq, dtype=torch.float64), probs_all[rows_q],
+            ids_all[rows_q], p_all[rows_p], p_all)
+
+
+def _sparse_hsd_law(ids, probs_q, ids_q, target_probs):
+    """Exact P(num_accepted = i, next token = y | x) with the sparse functions: [n, g+1, V]."""
+    g = ids.shape[1]
+    h, prefix = _sparse_levels(ids, probs_q, ids_q, target_probs)
+    later_fail = torch.ones_like(h)
+    for i in range(g - 1, -1, -1):
+        later_fail[:, i] = later_fail[:, i + 1] * (1 - h[:, i + 1])
+    stop = h * later_fail
+    laws = []
+    for level in range(g + 1):
+        at = min(level, g - 1)
+        residual = sparse_hsd_residual(prefix[:, level], target_probs[:, level], probs_q[:, at],
+                                       ids_q[:, at], torch.full((len(ids),), level == g))
+        total = residual.sum(-1, keepdim=True)
+        dist = torch.where(total > 0, residual / total.clamp(min=1e-300), 0.0)
+        laws.append(stop[:, level, None] * dist)
+    return torch.stack(laws, dim=1)
+
+
+@pytest.mark.parametrize("vocab,g,k,seed", [(3, 2, 1, 0), (3, 3, 2, 1), (4, 2, 2, 2), (4, 3, 3, 3)])
+def test_sparse_hsd_is_lossless_by_exact_enumeration(vocab, g, k, seed):
+    """Chains drawn from the drafter's top-k law, verified with the sparse functions: the
+    emitted tokens, extended by the target, have exactly the target's joint law."""
+    target = TableModel(vocab, g + 2, seed=seed, scale=1.5)
+    draft = TableModel(vocab, g + 1, seed=seed + 1000, scale=1.5)
+    ids, q_seq, probs_q, ids_q, target_probs, p_all = _sparse_chain_inputs(target, draft, g, k)
+    assert abs(float(q_seq.sum()) - 1) < 1e-12 and len(ids) <= k ** g
+    emitted = _emitted_law(ids, q_seq, _sparse_hsd_law(ids, probs_q, ids_q, target_probs))
+    law = target.extend(p_all, emitted, g + 1)
+    assert max_abs_diff(law, target.joint(p_all, g + 1)) < 1e-9
+
+
+def _hsd_verify_sparse_full_support(ids, draft_probs, target_probs, generator=None):
+    """:func:`hsd_verify_sparse` with the dense law written as K = V support tokens."""
+    batch, g, vocab = draft_probs.shape
+    support = torch.arange(vocab).expand(batch, g, vocab)
+    return hsd_verify_sparse(ids, draft_probs, support, target_probs, generator=generator)
+
+
+def test_sparse_verifier_monte_carlo():
+    """:func:`hsd_verify_sparse` (sampling, stop scan, residual draw) on 2e5 rows against the
+    exact law, as for the dense verifiers above."""
+    test_batched_verifier_monte_carlo(_hsd_verify_sparse_full_support, _hsd_law)
+
+
+def test_hsd_verify_sparse_consumes_the_generator_like_the_dense_one():
+    """Same law, same generator state: the sparse and dense verifiers give the same output."""
+    gen = torch.Generator().manual_seed(4)
+    batch, g, vocab, k = 256, 3, 30, 30
+    probs, ids = _random_sparse_law(batch, g, vocab, k, gen)
+    pick = torch.multinomial(probs.view(-1, k), 1, generator=gen).view(batch, g, 1)
+    chains = ids.gather(2, pick).squeeze(2)
+    target = torch.randn(batch, g + 1, vocab, generator=gen).softmax(-1).double()
+    dense = hsd_verify(chains, _densify(probs, ids, vocab), target, torch.Generator().manual_seed(9))
+    sparse = hsd_verify_sparse(chains, probs, ids, target, torch.Generator().manual_seed(9))
+    assert torch.equal(dense[0], sparse[0]) and torch.equal(dense[1], sparse[1])
+
+
+def test_top_k_draft_law_and_packing():
+    logits = torch.tensor([[[2.0, 1.0, 0.0, -5.0]]])
+    probs, ids = top_k_draft_law(logits, torch.tensor([1.0]), k=2)  # the docstring example
+    assert ids.tolist() == [[[0, 1]]]
+    torch.testing.assert_close(probs, torch.tensor([[[1 / (1 + math.exp(-1)), 1 / (1 + math.e)]]]))
+    probs, ids = top_k_draft_law(logits, torch.tensor([0.0]), k=2)  # greedy: a point mass
+    assert probs.tolist() == [[[1.0, 0.0]]] and ids.tolist() == [[[0, 1]]]
+    probs, ids = top_k_draft_law(logits.expand(3, 2, 4), None, k=9)  # k > vocab, all greedy
+    assert probs.shape == (3, 2, 4) and (probs[..., 0] == 1).all()
+    big = torch.tensor([[[151935, 12]]])
+    packed = pack_sparse_law(torch.tensor([[[0.7, 0.3]]]), big, vocab=151936)
+    assert packed.dtype == torch.float32 and packed.shape == (1, 1, 4)
+    p, i = unpack_sparse_law(packed)
+    assert torch.equal(i, big) and torch.equal(p, torch.tensor([[[0.7, 0.3]]]))
+    with pytest.raises(ValueError, match="vocab"):
+        pack_sparse_law(torch.zeros(1, 1, 2), torch.zeros(1, 1, 2, dtype=torch.long), vocab=1 << 25)

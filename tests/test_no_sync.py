@@ -5,60 +5,13 @@ data-dependent shapes, copies to the CPU from another device); on CUDA,
 ``torch.cuda.set_sync_debug_mode("error")`` is armed as well.
 """
 
-import contextlib
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from sync_checker import HostSyncError, no_host_sync
 
 from vllm_ddtree.sampling import SamplingBatch, hsd_verify
 from vllm_ddtree.tree import build_tree
 from vllm_ddtree.walk import verify_tree
-
-SYNCING_OPS = {
-    "aten::_local_scalar_dense",  # .item(), float(t), int(t), bool(t)
-    "aten::nonzero",
-    "aten::nonzero_static",
-    "aten::masked_select",
-    "aten::unique_dim",
-    "aten::_unique2",
-    "aten::repeat_interleave.Tensor",  # without output_size its shape depends on data
-}
-
-
-class HostSyncError(RuntimeError):
-    pass
-
-
-class NoHostSync(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func._schema.name + (f".{func._overloadname}" if func._overloadname != "default" else "")
-        if func._schema.name in SYNCING_OPS or name in SYNCING_OPS:
-            raise HostSyncError(f"host synchronisation through {name}")
-        if func._schema.name in ("aten::index", "aten::index_put", "aten::index_put_"):
-            if any(t is not None and t.dtype == torch.bool for t in args[1]):
-                raise HostSyncError(f"boolean-mask indexing (data-dependent shape) through {name}")
-        if func._schema.name in ("aten::_to_copy", "aten::copy_"):
-            src = args[1] if func._schema.name == "aten::copy_" else args[0]
-            dst_device = kwargs.get("device") if func._schema.name == "aten::_to_copy" else args[0].device
-            if src.device.type != "cpu" and dst_device is not None and torch.device(dst_device).type == "cpu":
-                raise HostSyncError(f"device->host copy through {name}")
-        return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def no_host_sync():
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_sync_debug_mode("error")
-    try:
-        with NoHostSync():
-            yield
-    finally:
-        if cuda:
-            torch.cuda.set_sync_debug_mode("default")
-
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -69,3 +69,30 @@ def test_last_token_gets_no_drafts():
     drafts = [tree.token_ids[1].tolist()]
     state.clip_drafts(["b"], drafts, {"b": request(10, 7, max_tokens=8)}, max_model_len=1000)
     assert drafts == [[]]  # one token left: it is the next bonus
+
+
+def test_a_proposal_waits_for_its_verify_step():
+    """"a" is left out of the step after its proposal (the token budget ran out) while "b" is
+    verified and proposed again; when "a" is scheduled later with the drafts it was given, it
+    is verified with its own tree, not as a chain. Finished requests free their slots."""
+    state = TreeState(DDTreeOptions(budget=BUDGET, depth=DEPTH), torch.device("cpu"),
+                      max_num_reqs=1)  # the store grows past its initial capacity
+    gen = torch.Generator().manual_seed(3)
+    first = build_tree(torch.randn(2, DEPTH, 9, generator=gen) * 2, BUDGET)
+    state.record_proposal(["a", "b"], first)
+    second = build_tree(torch.randn(1, DEPTH, 9, generator=gen) * 2, BUDGET)
+    state.record_proposal(["b"], second)  # step t + 1: only "b" ran
+    drafts_a = first.token_ids[0].clamp(min=0)
+    verify = state.begin_verify(["a", "b"], [BUDGET, BUDGET],
+                                torch.cat([drafts_a, second.token_ids[0].clamp(min=0)]),
+                                [0, BUDGET + 1], 2 * (BUDGET + 1))
+    assert verify.matched.tolist() == [True, True]
+    assert torch.equal(verify.tree.parents[0], first.parents[0])
+    assert torch.equal(verify.tree.parents[1], second.parents[0])
+    assert torch.equal(verify.tree.scores[0], first.scores[0])
+    # drafts that are not the recorded tree (e.g. vLLM's zeros) are verified as a chain
+    verify = state.begin_verify(["a"], [3], torch.zeros(3, dtype=torch.int64), [0], 4)
+    assert verify.matched.tolist() == [False]
+    assert verify.tree.parents[0, :3].tolist() == [-1, 0, 1]
+    state.proposals.keep_only({"b"})
+    assert "a" not in state.proposals and "b" in state.proposals

@@ -80,9 +80,18 @@ def test_valid_config_is_accepted_and_tagged():
     assert config.speculative_config.method == "dflash"
     assert config.speculative_config.num_speculative_tokens == 8
     assert config.additional_config["ddtree"] == {"budget": 8, "depth": BLOCK_SIZE - 1,
-                                                  "mode": "tree"}
+                                                  "mode": "tree", "budget_policy": "static"}
     assert config.speculative_config.ddtree_options.budget == 8
-    assert config.num_lookahead_tokens >= BLOCK_SIZE  # drafter's bonus + L mask queries
+    # the drafter runs its bonus + L mask queries, whatever B: L + 1 lookahead K/V slots and
+    # L drafter slots of the token budget (vLLM's dflash reserves B + 1 and B)
+    assert config.num_lookahead_tokens == BLOCK_SIZE
+    assert config.speculative_config.max_num_new_slots_for_drafting == BLOCK_SIZE - 1
+    wide = engine_config(ddtree_spec(256))
+    assert wide.num_lookahead_tokens == BLOCK_SIZE
+    assert wide.speculative_config.max_num_new_slots_for_drafting == BLOCK_SIZE - 1
+    dflash = engine_config({"method": "dflash", "model": DRAFTER, "num_speculative_tokens": 5})
+    assert dflash.num_lookahead_tokens == 6  # untouched for vLLM's own method
+    assert dflash.speculative_config.max_num_new_slots_for_drafting == 5
     assert not config.scheduler_config.async_scheduling
     # the extremes of the documented range are accepted
     assert engine_config(ddtree_spec(1)).additional_config["ddtree"]["budget"] == 1
@@ -108,7 +117,7 @@ def test_missing_drafter_model():
 
 def test_unknown_ddtree_option():
     assert_config_error(ddtree_spec(8, ddtree_foo=1), "unknown option", "ddtree_foo",
-                        "ddtree_depth", "ddtree_mode")
+                        "ddtree_depth", "ddtree_mode", "ddtree_budget_policy")
 
 
 def test_invalid_mode():
@@ -129,6 +138,31 @@ def test_depth_beyond_drafter_block():
     # the largest legal depth is accepted
     config = engine_config(ddtree_spec(8, ddtree_depth=BLOCK_SIZE - 1))
     assert config.additional_config["ddtree"]["depth"] == BLOCK_SIZE - 1
+
+
+@pytest.mark.parametrize("policy", ["auto", "static", [[4, 8], [16, 2], [64, 0]], [[1, 8]]])
+def test_budget_policies_are_accepted(policy):
+    config = engine_config(ddtree_spec(8, ddtree_budget_policy=policy))
+    stored = config.additional_config["ddtree"]["budget_policy"]
+    assert stored == (policy if isinstance(policy, str) else tuple(map(tuple, policy)))
+
+
+@pytest.mark.parametrize("policy, words", [
+    ("dynamic", ["ddtree_budget_policy='dynamic'", "'auto'", "'static'", "rows"]),
+    ([], ["non-empty list", "[max_running_requests, budget]"]),
+    ([[4, 9]], ["budgets in [0, num_speculative_tokens=8]", "[4, 9]"]),
+    ([[8, 4], [8, 2]], ["increasing bounds", "[8, 2]"]),
+    ([[0, 4]], ["bounds >= 1", "[0, 4]"]),
+    ([[4, 2.5]], ["not [int, int]"]),
+    ([4, 8], ["not [int, int]"]),
+])
+def test_invalid_budget_policy(policy, words):
+    assert_config_error(ddtree_spec(8, ddtree_budget_policy=policy), *words)
+
+
+def test_budget_policy_needs_tree_mode():
+    assert_config_error(ddtree_spec(4, ddtree_mode="hsd_chain", ddtree_budget_policy="auto"),
+                        "ddtree_budget_policy='auto'", "ddtree_mode 'tree'", "'static'")
 
 
 def test_hsd_chain_budget_beyond_depth():

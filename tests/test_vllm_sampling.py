@@ -32,8 +32,9 @@ import math
 import pytest
 import torch
 from scipy.stats import chi2
-from vllm_utils import PROMPTS, TARGET, close, ddtree_spec, make_llm, spec_metrics
+from vllm_utils import PROMPTS, TARGET, close, ddtree_spec, ddtree_state, make_llm, spec_metrics
 
+from vllm_ddtree.budget import CostModel
 from vllm_ddtree.sampling import SamplingBatch, processed_logits
 
 PROMPT = "    def __init__(self"
@@ -260,7 +261,13 @@ class Engines:
     """At most one vLLM engine alive in this process: ``get(kind)`` closes the other one."""
 
     SPECS = {"tree": lambda: ddtree_spec(16),
-             "hsd_chain": lambda: ddtree_spec(4, ddtree_mode="hsd_chain")}
+             "hsd_chain": lambda: ddtree_spec(4, ddtree_mode="hsd_chain"),
+             "auto": lambda: ddtree_spec(16, ddtree_budget_policy="auto")}
+    # "auto" with a synthetic step cost (10 ms + 10 us per verified token, drafter 0.5 ms) and
+    # no online correction: a node pays when its calibrated path probability beats ~0.2 at a
+    # batch of 256, so budgets vary per request and step, zeros included, whatever this
+    # machine's load
+    AUTO_COST = CostModel((1, 1001), (0.01001, 0.02001), (1,), (0.0005,))
 
     def __init__(self):
         self.kind, self.llm = None, None
@@ -275,6 +282,10 @@ class Engines:
             self.llm = make_llm(self.SPECS[kind](), per_request_spec_decode_metrics="summary",
                                 enable_chunked_prefill=False)
             self.kind = kind
+            if kind == "auto":
+                budgets = ddtree_state(self.llm).budgets
+                budgets.set_cost_model(self.AUTO_COST)
+                budgets.step_started = lambda *args: None
         return self.llm
 
     def close(self):
@@ -439,3 +450,20 @@ def test_joint_law_hsd_chain(engines, prompt_ids, exact_laws):
     counts, histogram = run_law_batch(llm, prompt_ids, ["t1"] * N_PER_SETTING)
     assert spec_metrics(llm)["vllm:spec_decode_num_accepted_tokens"] > before
     check_law("t1", counts["t1"], histogram["t1"], exact_laws["t1"], N_PER_SETTING)
+
+
+def test_joint_law_tree_auto_budgets(engines, prompt_ids, exact_laws):
+    """ddtree with ``ddtree_budget_policy: "auto"`` (maximum B=16): both settings interleaved
+    in one batch, each request's tree sized per step by the policy (see Engines.AUTO_COST), so
+    one step verifies trees of different sizes next to requests without drafts. The joint
+    (t1, t2, t3) law of each setting fits the exact target law (p > 1e-4) and verification ran."""
+    llm = engines.get("auto")
+    before = spec_metrics(llm).get("vllm:spec_decode_num_accepted_tokens", 0)
+    counts, histogram = run_law_batch(llm, prompt_ids,
+                                      [n for _ in range(N_PER_SETTING) for n in SETTINGS])
+    assert spec_metrics(llm)["vllm:spec_decode_num_accepted_tokens"] > before
+    sizes = ddtree_state(llm).budgets.summary()["budget_histogram"]
+    # mixed budgets: requests without drafts next to trees of several sizes
+    assert sizes.get(0, 0) > 0 and len([n for n in sizes if n > 0]) >= 2, sizes
+    for name in SETTINGS:
+        check_law(name, counts[name], histogram[name], exact_laws[name], N_PER_SETTING)

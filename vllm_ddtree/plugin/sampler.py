@@ -1,35 +1,50 @@
 """TreeRejectionSampler: the walk in place of vLLM's chain rejection sampler.
 
-vLLM hands the sampler the target logits of every verify row, request-major:
-``[root, node_0 .. node_{m-1}]`` for a request with m scheduled drafts (chain order for a
-chain, node order for a tree: the same rows). The walk needs exactly these distributions.
-The output follows vLLM's layout: ``[R, max_spec_len + 1]`` int32, accepted tokens, the bonus
-token, then -1, so the scheduler's rule ``num_computed -= num_draft - num_accepted`` holds
-once the accepted path's K/V has been compacted to the chain slots.
+vLLM hands the sampler the target logits of every verify row, flat and request-major:
+``[T, V]`` with rows ``[root, node_0 .. node_{m-1}]`` for a request with m scheduled drafts
+(chain order for a chain, node order for a tree: the same rows), T = sum over requests of
+m_r + 1. The output follows vLLM's layout: ``[R, max_spec_len + 1]`` int32, accepted tokens,
+the bonus token, then -1, so the scheduler's rule ``num_computed -= num_draft - num_accepted``
+holds once the accepted path's K/V has been compacted to the chain slots.
 
-Seeded requests (``SamplingParams.seed``) draw every verify position from their own generator
-with vLLM's sampling op, position by position (:meth:`TreeRejectionSampler._sample_seeded`), and
-run HSD with that generator: the stream a seeded request consumes depends only on its own
-drafts, never on the other requests of the batch, so its output does not depend on the traffic.
+Memory: the rows are never padded nor copied as a whole. Greedy rows take the argmax of the raw
+logits; the others are sampled by vLLM's own top-k/top-p sampler (the runner's
+``Sampler.topk_topp_sampler``: FlashInfer on CUDA, its native or CPU op elsewhere) one chunk of
+rows at a time (:func:`vllm_ddtree.sampling.sample_rows`), so the extra memory is a few chunks
+whatever T is. The walk only sees one token per row, arranged ``[R, width + 1]`` by a row index
+built on the device from vLLM's ``cu_num_sampled_tokens``
+(:func:`vllm_ddtree.sampling.verify_rows`). ``hsd_chain`` chains are verified the same way
+against their sparse draft law (:func:`vllm_ddtree.sampling.hsd_verify_rows`).
+
+Seeded requests (``SamplingParams.seed``): vLLM's op draws each of a seeded request's rows
+from the request's generator, rows in order (on the CPU one seed per row, on CUDA one
+exponential per vocabulary entry and row), and HSD then draws from the same generator: the
+stream a seeded request consumes depends only on its own drafts, never on the other requests of
+the batch or on where the chunks fall, so its output does not depend on the traffic. Example: a
+seeded request with 2 drafts consumes 3 draws of its generator on the CPU; with m_r = 0 (its
+first token, in a step where other requests verify) this is exactly the draw vLLM's sampler
+makes in a step without speculation.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 
 import torch
 from torch import nn
 from vllm.v1.outputs import SamplerOutput
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-from vllm_ddtree.plugin.state import TreeState, to_device
+from vllm_ddtree.plugin.state import TreeState
 from vllm_ddtree.sampling import (
+    RowSampling,
     SamplingBatch,
-    hsd_verify,
-    processed_logits,
-    sample_tokens,
-    target_probs_from_logits,
+    hsd_verify_rows,
+    sample_rows,
+    unpack_sparse_law,
+    verify_rows,
 )
-from vllm_ddtree.walk import verify_tree, walk
+from vllm_ddtree.walk import walk
 
 
 def sampling_batch(sampling_metadata) -> SamplingBatch | None:
@@ -46,8 +61,8 @@ def sampling_batch(sampling_metadata) -> SamplingBatch | None:
 
 class TreeRejectionSampler(nn.Module):
     def __init__(self, state: TreeState, target_sampler=None):
-        """``target_sampler``: the runner's vLLM ``Sampler`` (its top-k/top-p op draws the
-        tokens of seeded requests); None builds a default ``TopKTopPSampler``."""
+        """``target_sampler``: the runner's vLLM ``Sampler`` (its top-k/top-p op samples the
+        verify rows); None builds a default ``TopKTopPSampler``."""
         super().__init__()
         self.ddtree_state = state
         if target_sampler is None:
@@ -57,42 +72,16 @@ class TreeRejectionSampler(nn.Module):
         else:
             self.topk_topp_sampler = target_sampler.topk_topp_sampler
 
-    def _sample_seeded(self, logits: torch.Tensor, num_draft: list[int],
-                       sampling: SamplingBatch) -> torch.Tensor:
-        """Target samples ``[R, width + 1]`` of a batch with seeded requests.
-
-        Unseeded rows draw from the default generator (:func:`sample_tokens`). Seeded request r
-        (vLLM gives generators to random seeded requests only) draws its m_r + 1 positions
-        with vLLM's sampling op from its generator alone, one position after the other: with
-        m_r = 0 (its first token, in a step where other requests verify) this is exactly the
-        draw vLLM's sampler makes in a step without speculation, and the stream never depends
-        on the width of the other requests' trees. Example: a seeded request with 2 drafts
-        consumes 3 draws of its generator (the CPU op draws one seed per position).
-        """
-        sampled = sample_tokens(logits, dataclasses.replace(sampling, generators=None))
-        for r, generator in sampling.generators.items():
-            m = num_draft[r]
-            row = SamplingBatch(
-                temperature=sampling.temperature[r:r + 1],
-                top_k=None if sampling.top_k is None else sampling.top_k[r:r + 1],
-                top_p=None if sampling.top_p is None else sampling.top_p[r:r + 1],
-            )
-            row_logits = processed_logits(logits[r:r + 1, :m + 1], row)[0].float()  # [m + 1, V]
-            tokens, _ = self.topk_topp_sampler(
-                row_logits, {i: generator for i in range(m + 1)}, None, None
-            )
-            sampled[r, :m + 1] = tokens.to(sampled.dtype)
-        return sampled
-
     def forward(self, metadata, draft_probs, logits: torch.Tensor, sampling_metadata) -> SamplerOutput:
         state = self.ddtree_state
         num_draft = list(metadata.num_draft_tokens)
+        if logits.shape[0] != sum(num_draft) + len(num_draft):
+            raise ValueError(f"logits.shape={tuple(logits.shape)}, expected "
+                             f"[{sum(num_draft) + len(num_draft)}, vocab] for {num_draft=}")
         verify = state.verify
         if verify is None or verify.num_draft != num_draft:
             # dummy sampler runs and steps without proposals: verify the drafts as chains
-            starts = [0]
-            for m in num_draft[:-1]:
-                starts.append(starts[-1] + m + 1)
+            starts = [0, *itertools.accumulate(m + 1 for m in num_draft[:-1])]
             verify = state.begin_verify(
                 req_ids=[f"__chain_{i}" for i in range(len(num_draft))],
                 num_draft=num_draft,
@@ -100,45 +89,37 @@ class TreeRejectionSampler(nn.Module):
                 query_start=starts,
                 num_tokens=sum(num_draft) + len(num_draft),
             )
-        # Only the widest scheduled tree is padded for: [R, max m + 1, V], not [R, B + 1, V]
+        # Only the widest scheduled tree is walked: [R, max m + 1], not [R, B + 1]
         # (vLLM's warm-up runs max_num_seqs requests with one draft each).
         width = max(num_draft, default=0)
         tree = verify.tree.first_nodes(width)
-        num_reqs = tree.token_ids.shape[0]
-        # logits rows of request r: [cu_sampled[r] - m_r - 1, cu_sampled[r]) -> padded [R, m+1, V]
-        row_of = []
-        start = 0
-        for m in num_draft:
-            row_of.append(list(range(start, start + m + 1)) + [-1] * (width - m))
-            start += m + 1
-        rows = to_device(row_of, torch.int64, logits.device)
-        padded = logits[rows.clamp(min=0)]  # [R, width + 1, V]; padding rows are never reached
+        rows_index = verify_rows(metadata.cu_num_sampled_tokens, width)  # [R, width + 1]
         sampling = sampling_batch(sampling_metadata)
-        if sampling is not None and sampling.generators:
-            verdict = walk(tree, self._sample_seeded(padded, num_draft, sampling))
-        else:
-            verdict = verify_tree(tree, padded, sampling)
+        rows = None if sampling is None else RowSampling.expand(
+            sampling, metadata.cu_num_sampled_tokens, num_draft, logits.shape[1])
+        sampled = sample_rows(logits, rows, self.topk_topp_sampler,
+                              all_random=bool(getattr(sampling_metadata, "all_random", False)))
+        verdict = walk(tree, sampled[rows_index])
         out_width = metadata.max_spec_len + 1
-        out = torch.full((num_reqs, out_width), -1, dtype=torch.int64, device=logits.device)
+        out = torch.full((tree.token_ids.shape[0], out_width), -1, dtype=torch.int64,
+                         device=logits.device)
         keep = min(out_width, verdict.output_tokens.shape[1])
         out[:, :keep] = verdict.output_tokens[:, :keep]
         state.verdict = verdict
         if (state.options.mode == "hsd_chain" and verify.draft_law is not None
-                and width == state.budget):
+                and width == state.budget and sampling is not None):
             # Sampled chains: HSD where the drafts are the proposal at full length; the walk
-            # (above) for placeholder or truncated rows. Chains need no K/V compaction.
-            use_hsd = verify.matched & (tree.num_nodes == width)
-            chains = tree.token_ids.clamp(min=0)
-            target_probs = target_probs_from_logits(padded, sampling)
-            _, hsd_out = hsd_verify(chains, verify.draft_law[0], target_probs)
-            seeded = sampling.generators if sampling is not None and sampling.generators else {}
-            for r, generator in seeded.items():
-                # seeded requests with a full chain: HSD's uniforms and residual draw from
-                # their own generator (rows without a chain draw nothing more from it)
-                if num_draft[r] != width:
-                    continue
-                _, hsd_out[r:r + 1] = hsd_verify(chains[r:r + 1], verify.draft_law[0][r:r + 1],
-                                                 target_probs[r:r + 1], generator=generator)
+            # (above) for placeholder or truncated rows, and for greedy requests (argmax chains
+            # with a point-mass law, where HSD is the walk). Chains need no K/V compaction.
+            use_hsd = verify.matched & (tree.num_nodes == width) & ~sampling.is_greedy
+            # seeded requests with a full chain: HSD's uniforms and residual draw from their
+            # own generator (rows without a chain draw nothing more from it)
+            seeded = {r: gen for r, gen in (sampling.generators or {}).items()
+                      if num_draft[r] == width}
+            law = verify.draft_law  # (packed,) from the proposer, or (probs, ids)
+            probs_q, ids_q = law if len(law) == 2 else unpack_sparse_law(law[0])
+            hsd_out = hsd_verify_rows(logits, rows_index, tree.token_ids.clamp(min=0), probs_q,
+                                      ids_q, rows, apply_top_k_top_p, seeded)
             out = torch.where(use_hsd[:, None], hsd_out[:, :out_width], out)
             state.verdict = None
         return SamplerOutput(sampled_token_ids=out.to(torch.int32), logprobs_tensors=None)

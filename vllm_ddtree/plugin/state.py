@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_ddtree.plugin.options import DDTreeOptions
+from vllm_ddtree.plugin.policy import BudgetController
 from vllm_ddtree.tree import DraftTree, _ancestor_mask
 from vllm_ddtree.walk import TreeVerdict
 
@@ -74,23 +75,98 @@ def depths_from_parents(parents: torch.Tensor, valid: torch.Tensor) -> torch.Ten
     return torch.where(valid, distance, 0)
 
 
+class ProposalStore:
+    """Each request's latest proposal, kept on the device until it is verified or replaced.
+
+    A request that is not scheduled in the step after its proposal (the token budget ran out)
+    is verified later with the drafts the scheduler kept for it; its tree must still be here
+    then, whatever was proposed for other requests in between. Proposals live in persistent
+    ``[capacity, ...]`` buffers, one slot per request; recording and reading a batch is one
+    ``index_copy_`` / gather per buffer (host slot numbers reach the device through
+    :func:`to_device`). Example: "a" and "b" proposed at step t, only "b" scheduled at t + 1
+    (and proposed again), "a" at t + 2: slot("a") still holds the step-t tree.
+    """
+
+    def __init__(self, capacity: int, device: torch.device):
+        self.device = device
+        self.capacity = max(int(capacity), 1)
+        self._slot_of: dict[str, int] = {}
+        self._free: list[int] = list(range(self.capacity - 1, -1, -1))
+        self._buffers: dict[str, torch.Tensor] = {}  # name -> [capacity, ...]
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._slot_of
+
+    def slots(self, req_ids: list[str]) -> list[int]:
+        """Slot of each request, -1 for a request without a proposal (host)."""
+        return [self._slot_of.get(req_id, -1) for req_id in req_ids]
+
+    def _grow(self, needed: int) -> None:
+        capacity = self.capacity
+        while capacity < needed:
+            capacity *= 2
+        for name, buf in self._buffers.items():
+            grown = buf.new_zeros((capacity, *buf.shape[1:]))
+            grown[: self.capacity] = buf
+            self._buffers[name] = grown
+        self._free = list(range(capacity - 1, self.capacity - 1, -1)) + self._free
+        self.capacity = capacity
+
+    def put(self, req_ids: list[str], rows: dict[str, torch.Tensor]) -> None:
+        """Store row r of every tensor in ``rows`` (``[len(req_ids), ...]``) for ``req_ids[r]``,
+        replacing what that request held. Buffers absent from ``rows`` keep stale rows."""
+        new = [req_id for req_id in dict.fromkeys(req_ids) if req_id not in self._slot_of]
+        if len(new) > len(self._free):
+            self._grow(len(self._slot_of) + len(new))
+        for req_id in new:
+            self._slot_of[req_id] = self._free.pop()
+        index = to_device(self.slots(req_ids), torch.int64, self.device)
+        for name, values in rows.items():
+            buf = self._buffers.get(name)
+            if buf is None or buf.shape[1:] != values.shape[1:] or buf.dtype != values.dtype:
+                buf = values.new_zeros((self.capacity, *values.shape[1:]))
+                self._buffers[name] = buf
+            buf.index_copy_(0, index, values)
+
+    def get(self, name: str, slots: torch.Tensor) -> torch.Tensor | None:
+        """Rows ``slots`` (device, -1 allowed: row 0, meaningless) of buffer ``name``."""
+        buf = self._buffers.get(name)
+        return None if buf is None else buf[slots.clamp(min=0)]
+
+    def set_rows(self, name: str, slots: torch.Tensor, values: torch.Tensor) -> None:
+        self._buffers[name].index_copy_(0, slots, values)
+
+    def drop(self, req_ids) -> None:
+        for req_id in req_ids:
+            slot = self._slot_of.pop(req_id, None)
+            if slot is not None:
+                self._free.append(slot)
+
+    def keep_only(self, live_req_ids) -> None:
+        """Forget the proposals of requests that no longer exist (finished, aborted)."""
+        self.drop([req_id for req_id in self._slot_of if req_id not in live_req_ids])
+
+
 class TreeState:
-    def __init__(self, options: DDTreeOptions, device: torch.device):
+    def __init__(self, options: DDTreeOptions, device: torch.device, max_num_reqs: int = 8):
         if options.depth is None:
             raise ValueError("ddtree: the drafting depth must be resolved before the runner starts")
         self.options = options
         self.device = device
-        self._proposed_rows: dict[str, int] = {}
-        # the latest proposal as begin_verify reads it: node tokens and parents, [R, B] each
-        self._proposed_tokens: torch.Tensor | None = None
-        self._proposed_parents: torch.Tensor | None = None
-        self._proposed_law: tuple[torch.Tensor, ...] | None = None
-        self._proposed_depths: torch.Tensor | None = None  # [R, B] host copy of node depths
+        self.proposals = ProposalStore(max_num_reqs, device)
+        self.budgets = BudgetController(options, device)
+        # The latest proposal's node depths on the host, {req_id: row} -> [R, B] int16, for
+        # clip_drafts (copied with vLLM's own draft copy, read after vLLM waits for it).
+        self._latest_rows: dict[str, int] = {}
+        self._latest_depths: torch.Tensor | None = None
+        self._latest_law_names: tuple[str, ...] = ()
         self.verify: VerifyBatch | None = None
         self.chain_positions: torch.Tensor | None = None  # [T] positions before the depth shift
         self.verdict: TreeVerdict | None = None
         self.gather_index: torch.Tensor | None = None  # [T] hidden-state rows for the drafter
         self._compacted = torch.zeros((), dtype=torch.int64, device=device)  # slots moved
+        # scheduled rows with drafts that were not their request's recorded proposal
+        self._unmatched = torch.zeros((), dtype=torch.int64, device=device)
         self.last_num_draft: list[int] = []  # m_r of the latest verify step, host
 
     @property
@@ -100,6 +176,15 @@ class TreeState:
 
     def count_compacted(self, src_rows: torch.Tensor) -> None:
         self._compacted += (src_rows >= 0).sum()
+
+    @property
+    def num_unmatched_rows(self) -> int:
+        """Scheduled requests with drafts that were verified as chains because their drafts
+        were not a recorded proposal (placeholders after preemption; tests; reading syncs)."""
+        return int(self._unmatched)
+
+    def count_unmatched(self, verify: VerifyBatch) -> None:
+        self._unmatched += ((verify.tree.num_nodes > 0) & ~verify.matched).sum()
 
     @property
     def budget(self) -> int:
@@ -112,17 +197,22 @@ class TreeState:
     def record_proposal(self, req_ids: list[str], tree: DraftTree,
                         draft_law: tuple[torch.Tensor, ...] | None = None) -> None:
         """Keep the trees drafted for ``req_ids`` (row r of ``tree`` is ``req_ids[r]``), and for
-        sampled chains the drafter law they were drawn from (tensors with one row per request)."""
-        self._proposed_rows = {req_id: row for row, req_id in enumerate(req_ids)}
-        self._proposed_tokens, self._proposed_parents = tree.token_ids, tree.parents
-        self._proposed_law = draft_law
+        sampled chains the drafter law they were drawn from (tensors with one row per request),
+        until each request is verified or proposed for again."""
+        law = {f"law{i}": t for i, t in enumerate(draft_law or ())}
+        self.proposals.put(req_ids, {"tokens": tree.token_ids, "parents": tree.parents,
+                                     "scores": tree.scores, **law})
+        self._latest_law_names = tuple(law)
+        self._latest_rows = {req_id: row for row, req_id in enumerate(req_ids)}
         # Queued before vLLM's own copy of the draft ids, whose event vLLM waits on before it
         # reads them: read in clip_drafts after that wait, so this adds no synchronisation.
-        self._proposed_depths = tree.depths.to(torch.int16).to("cpu", non_blocking=True)
+        self._latest_depths = tree.depths.to(torch.int16).to("cpu", non_blocking=True)
 
     def clip_drafts(self, req_ids: list[str], drafts: list[list[int]], requests: dict,
                     max_model_len: int) -> None:
-        """Drop (in place) the drafts a request near its end can no longer use.
+        """Keep (in place) only the drafts each request can use: its real nodes (its budget;
+        nodes of probability zero are padding too), and near its end only those it can still
+        accept. Reports the result to the budget policy.
 
         After this step request r holds ``n`` tokens, ``out`` of them outputs; its next verify
         step emits ``accepted + 1`` tokens, and only ``max_tokens - out`` more are allowed
@@ -132,15 +222,28 @@ class TreeState:
         is re-indexed to match, so the verify step sees exactly these nodes. Example: L = 7,
         max_tokens 10 and 8 outputs so far: u = 1, only the depth-1 nodes stay; with 9 outputs
         u = 0 and the request is scheduled without drafts.
+
+        Requests whose drafts were not recorded by the latest proposal (the drafter did not
+        run its query pass: paused by the policy, or vLLM sent zeros because the input did not
+        fit the drafter) send no drafts and lose any older proposal, so that it can never be
+        matched against drafts it did not produce.
         """
-        depths, self._proposed_depths = self._proposed_depths, None  # a proposal is clipped once
-        if depths is None:
-            return
-        kept: dict[int, list[int]] = {}
+        depths, self._latest_depths = self._latest_depths, None  # a proposal is clipped once
+        rows, self._latest_rows = self._latest_rows, {}
+        self.proposals.drop([req_id for req_id in req_ids if req_id not in rows])
+        kept: dict[str, list[int]] = {}
+        budgeted = []  # real nodes per request, before the cut near the end
         for req_id, ids in zip(req_ids, drafts):
-            row = self._proposed_rows.get(req_id)
+            row = rows.get(req_id)
+            if row is None or depths is None:
+                ids.clear()
+                continue
+            node_depths = depths[row, : len(ids)].tolist()
+            real = sum(1 for d in node_depths if d > 0)  # real nodes come first
+            del ids[real:]
+            budgeted.append(real)
             request = requests.get(req_id)
-            if row is None or request is None:
+            if request is None:
                 continue
             useful = max_model_len - request.num_tokens - 1
             max_tokens = getattr(request.sampling_params, "max_tokens", None)
@@ -148,31 +251,43 @@ class TreeState:
                 useful = min(useful, max_tokens - len(request.output_token_ids) - 1)
             if useful >= self.depth:
                 continue
-            keep = [i for i, d in enumerate(depths[row, : len(ids)].tolist()) if 0 < d <= useful]
+            keep = [i for i, d in enumerate(node_depths) if 0 < d <= useful]
             ids[:] = [ids[i] for i in keep]
-            kept[row] = keep
+            kept[req_id] = keep
+        self.budgets.drafts_sent(budgeted, [len(ids) for ids in drafts])
         if kept:
-            self._reindex_proposal(kept)
+            # vLLM calls take_draft_token_ids outside inference mode; the buffers are
+            # inference tensors (written during the step), so update them inside it
+            with torch.inference_mode():
+                self._reindex_proposals(kept)
 
-    def _reindex_proposal(self, kept: dict[int, list[int]]) -> None:
-        """Proposal row r keeps nodes ``kept[r]`` (in order) as its first nodes, the rest padding."""
-        tokens, parents = self._proposed_tokens, self._proposed_parents
-        num_rows, width = tokens.shape
-        index = torch.arange(width).repeat(num_rows, 1)  # host: new node -> old node
-        inverse = index.clone()  # host: old node -> new node (-1: dropped)
-        valid = torch.ones(num_rows, width, dtype=torch.bool)
-        for row, keep in kept.items():
-            index[row], inverse[row], valid[row] = 0, -1, False
-            index[row, : len(keep)] = torch.tensor(keep, dtype=torch.int64)
-            inverse[row, keep] = torch.arange(len(keep))
-            valid[row, : len(keep)] = True
-        device = tokens.device
+    def _reindex_proposals(self, kept: dict[str, list[int]]) -> None:
+        """Request r's proposal keeps nodes ``kept[r]`` (in order) as its first nodes, the rest
+        padding. Example: nodes [a, b, ab, c] keeping [0, 2] -> [a, ab, pad, pad], parents
+        [-1, 0, -1, -1]."""
+        req_ids = list(kept)
+        width = self.budget
+        index = torch.zeros(len(req_ids), width, dtype=torch.int64)  # host: new -> old node
+        inverse = torch.full((len(req_ids), width), -1, dtype=torch.int64)  # old -> new
+        valid = torch.zeros(len(req_ids), width, dtype=torch.bool)
+        for i, req_id in enumerate(req_ids):
+            keep = kept[req_id]
+            index[i, : len(keep)] = torch.tensor(keep, dtype=torch.int64)
+            inverse[i, keep] = torch.arange(len(keep))
+            valid[i, : len(keep)] = True
+        device = self.device
+        slots = to_device(self.proposals.slots(req_ids), torch.int64, device)
         index, inverse = to_device(index, torch.int64, device), to_device(inverse, torch.int64, device)
         valid = to_device(valid, torch.bool, device)
+        tokens = self.proposals.get("tokens", slots)
+        parents = self.proposals.get("parents", slots)
+        scores = self.proposals.get("scores", slots)
         old_parents = parents.gather(1, index)
         new_parents = torch.where(old_parents >= 0, inverse.gather(1, old_parents.clamp(min=0)), -1)
-        self._proposed_tokens = torch.where(valid, tokens.gather(1, index), -1)
-        self._proposed_parents = torch.where(valid, new_parents, -1)
+        self.proposals.set_rows("tokens", slots, torch.where(valid, tokens.gather(1, index), -1))
+        self.proposals.set_rows("parents", slots, torch.where(valid, new_parents, -1))
+        self.proposals.set_rows("scores", slots, torch.where(valid, scores.gather(1, index),
+                                                             float("-inf")))
         # hsd_chain draft laws need no re-indexing: a chain keeps a prefix of its nodes
 
     def begin_verify(
@@ -189,6 +304,7 @@ class TreeState:
         and the scheduler kept 2 of them: the verify tree is tokens [5, 7, -1], parents
         [-1, -1, -1] (node 2 is padding). Request "b" has placeholder drafts [-1, -1] and no
         proposal: it is verified as the chain with parents [-1, 0, -1].
+        A matched request keeps its proposal's scores; chains get score 0 per node.
         """
         num_rows, width = len(req_ids), self.budget
         device = self.device
@@ -202,29 +318,30 @@ class TreeState:
         if flat_drafts.numel() == 0:
             flat_drafts = torch.full((1,), -1, dtype=torch.int64, device=device)
         scheduled = torch.where(in_draft, flat_drafts[flat_index], -1)
-        parents = chain_parents(num_rows, width, device)
-        tokens = scheduled
-        matched = torch.zeros(num_rows, dtype=torch.bool, device=device)
+        slots = to_device(self.proposals.slots(req_ids), torch.int64, device)
+        p_tokens = self.proposals.get("tokens", slots)
         draft_law = None
-        if self._proposed_tokens is not None and self._proposed_tokens.shape[1] == width:
-            rows = to_device([self._proposed_rows.get(req_id, -1) for req_id in req_ids],
-                             torch.int64, device)
-            p_tokens = self._proposed_tokens[rows.clamp(min=0)]
-            p_parents = self._proposed_parents[rows.clamp(min=0)]
+        scores = torch.zeros(num_rows, width, device=device)  # log q of the prefix, 0 for chains
+        if p_tokens is None or p_tokens.shape[1] != width:
+            matched = torch.zeros(num_rows, dtype=torch.bool, device=device)
+            tokens, parents = scheduled, chain_parents(num_rows, width, device)
+        else:
+            p_parents = self.proposals.get("parents", slots)
             # the proposal's tokens as the scheduler saw them (zero-probability padding -> 0)
             same = (torch.where(in_draft, p_tokens.clamp(min=0), -1) == scheduled).all(dim=1)
-            matched = (rows >= 0) & same
-            parents = torch.where(matched[:, None], p_parents, parents)
+            matched = (slots >= 0) & same
+            parents = torch.where(matched[:, None], p_parents, chain_parents(num_rows, width, device))
             tokens = torch.where(matched[:, None], p_tokens, scheduled)
-            if self._proposed_law is not None:
-                draft_law = tuple(t[rows.clamp(min=0)] for t in self._proposed_law)
+            scores = torch.where(matched[:, None], self.proposals.get("scores", slots), scores)
+            if self._latest_law_names:
+                draft_law = tuple(self.proposals.get(name, slots) for name in self._latest_law_names)
         tokens = torch.where(in_draft, tokens, -1)
         parents = torch.where(in_draft, parents, -1)
         tree = DraftTree(
             token_ids=tokens,
             parents=parents,
             depths=depths_from_parents(parents, in_draft),
-            scores=torch.zeros(num_rows, width, device=device),
+            scores=scores.masked_fill(~in_draft, float("-inf")),
             num_nodes=counts,
             ancestor_mask=_ancestor_mask(parents, width),
             max_depth=width,

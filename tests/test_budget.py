@@ -1,0 +1,131 @@
+"""Tree budget policies (vllm_ddtree/budget.py) on synthetic cost curves and node scores.
+
+Oracles: hand-computed optima (exact expected values), and brute force over every vector of
+per-request budgets (each request's tree is a prefix of its best-first list).
+"""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from vllm_ddtree.budget import (
+    Calibration,
+    CostModel,
+    TablePolicy,
+    _interpolate,
+    auto_budgets,
+    node_gains,
+)
+
+
+def linear_cost(per_token: float, base: float, draft: float) -> CostModel:
+    """T_verify(n) = base + per_token * n (two points define the line), T_draft = draft."""
+    return CostModel((1, 1001), (base + per_token, base + 1001 * per_token), (1,), (draft,))
+
+
+def test_interpolation_and_extrapolation():
+    xs, ys = torch.tensor([1.0, 5.0, 9.0]), torch.tensor([2.0, 10.0, 12.0])
+    got = _interpolate(torch.tensor([0.0, 3.0, 5.0, 7.0, 13.0]), xs.double(), ys.double())
+    assert got.tolist() == [0.0, 6.0, 10.0, 11.0, 14.0]
+    cost = CostModel((1, 5), (2.0, 10.0), (1, 3), (1.0, 2.0))
+    assert cost.verify_time(torch.tensor([3.0])).item() == 6.0
+    assert cost.draft_time(2) == 1.5 and cost.draft_time(5) == 3.0
+
+
+def test_docstring_example_plain_decoding_wins():
+    gains = torch.tensor([[0.9, 0.5], [0.6, 0.1]], dtype=torch.float64)
+    # T_verify(n) = n ms, T_draft = 1 ms: the best tree step is k = 1 at 2.9 / 4 = 0.725
+    # tokens per ms, below plain decoding's 2 / 2 = 1
+    cost = CostModel((1, 2), (1e-3, 2e-3), (1,), (1e-3,))
+    assert auto_budgets(gains, cost).tolist() == [0, 0]
+    # free verification (weight-bound): every node with a gain pays
+    flat = CostModel((1, 1000), (10e-3, 10e-3), (1,), (1e-3,))
+    assert auto_budgets(gains, flat).tolist() == [2, 2]
+
+
+def test_knee_in_the_cost_curve():
+    """Verification is free up to 4 tokens, then 1 ms a token: k = 2 (the first knee) wins.
+    Rates: k = 0..4 -> (2 + [0, .9, 1.5, 2.1, 2.2]) / ([4, 4, 4, 5, 6] + 1) tokens/ms."""
+    gains = torch.tensor([[0.9, 0.6], [0.6, 0.1]], dtype=torch.float64)
+    cost = CostModel((1, 4, 5), (4e-3, 4e-3, 5e-3), (1,), (1e-3,))
+    budgets = auto_budgets(gains, cost)
+    # k = 2: nodes .9 (request 0) and the first .6 (request 0, earlier in the tie order)
+    assert budgets.tolist() == [2, 0]
+    rate = [(2 + s) / (t + 1) for s, t in zip([0, .9, 1.5, 2.1, 2.2], [4, 4, 4, 5, 6])]
+    assert max(range(5), key=rate.__getitem__) == 2
+
+
+def brute_force(gains: torch.Tensor, cost: CostModel) -> float:
+    """The best tokens per second over every per-request budget vector, and plain decoding."""
+    num_reqs, width = gains.shape
+    plain = num_reqs / cost.verify_time(torch.tensor([float(num_reqs)])).item()
+    best = plain
+    for budgets in itertools.product(range(width + 1), repeat=num_reqs):
+        tokens = num_reqs + sum(gains[r, :b].sum().item() for r, b in enumerate(budgets))
+        time = (cost.verify_time(torch.tensor([float(num_reqs + sum(budgets))])).item()
+                + cost.draft_time(num_reqs))
+        best = max(best, tokens / time)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_auto_is_the_best_budget_vector(seed):
+    gen = torch.Generator().manual_seed(seed)
+    num_reqs, width = 3, 4
+    # best-first gains: non-increasing along each row
+    gains = torch.rand(num_reqs, width, generator=gen, dtype=torch.float64)
+    gains = gains.sort(dim=1, descending=True).values * torch.rand(num_reqs, 1, generator=gen,
+                                                                    dtype=torch.float64)
+    knee = int(torch.randint(2, 12, (1,), generator=gen))
+    per_token = float(torch.rand(1, generator=gen)) * 2e-3
+    cost = CostModel((1, knee, knee + 100), (5e-3, 5e-3, 5e-3 + 100 * per_token), (1,),
+                     (float(torch.rand(1, generator=gen)) * 4e-3 + 1e-4,))
+    budgets = auto_budgets(gains, cost)
+    tokens = num_reqs + sum(gains[r, :b].sum().item() for r, b in enumerate(budgets.tolist()))
+    total = num_reqs + int(budgets.sum())
+    if int(budgets.sum()) == 0:
+        rate = num_reqs / cost.verify_time(torch.tensor([float(num_reqs)])).item()
+    else:
+        rate = tokens / (cost.verify_time(torch.tensor([float(total)])).item()
+                         + cost.draft_time(num_reqs))
+    assert rate == pytest.approx(brute_force(gains, cost), rel=1e-9)
+
+
+def test_node_gains_apply_the_depth_calibration():
+    scores = torch.tensor([[math.log(0.5), math.log(0.25), float("-inf")]])
+    depths = torch.tensor([[1, 2, 0]])
+    factors = torch.tensor([[1.0, 0.5, 1.0], [2.0, 2.0, 2.0]], dtype=torch.float64)
+    greedy = node_gains(scores, depths, factors, torch.tensor([False]))
+    assert greedy[0].tolist() == pytest.approx([0.5, 0.125, 0.0], rel=1e-6)
+    sampled = node_gains(scores, depths, factors, torch.tensor([True]))
+    assert sampled[0].tolist() == pytest.approx([1.0, 0.5, 0.0], rel=1e-6)
+
+
+def test_calibration_counts_verified_trees_per_depth():
+    cal = Calibration(depth=2, device=torch.device("cpu"), decay=1.0, prior=0.0)
+    # two greedy trees: depth-1 mass .9 each (.6 + .3), depth-2 mass .2; one accepts 1 token
+    scores = torch.tensor([[0.6, 0.3, 0.2], [0.6, 0.3, 0.2]]).log()
+    depths = torch.tensor([[1, 1, 2], [1, 1, 2]])
+    cal.observe(scores, depths, torch.tensor([1, 0]), counted=torch.tensor([True, True]),
+                sampled=torch.tensor([False, False]))
+    # a third row that is not counted (a chain fallback) changes nothing
+    cal.observe(scores[:1], depths[:1], torch.tensor([2]), counted=torch.tensor([False]),
+                sampled=torch.tensor([False]))
+    factors = cal.factors()
+    assert factors[0, 0].item() == pytest.approx(1 / 1.8)
+    assert factors[0, 1].item() == pytest.approx(0.0)
+    assert torch.isnan(factors[1]).all()  # no sampled evidence and no prior: 0 / 0
+
+
+def test_table_policy_rows():
+    table = TablePolicy([[4, 64], [16, 16], [256, 0]])
+    assert [table.budget(n) for n in (1, 4, 5, 16, 17, 256)] == [64, 64, 16, 16, 0, 0]
+
+
+def test_cost_model_validation():
+    with pytest.raises(ValueError, match="must increase"):
+        CostModel((4, 2), (1.0, 2.0), (1,), (1.0,))
+    with pytest.raises(ValueError, match="positive"):
+        CostModel((1,), (0.0,), (1,), (1.0,))

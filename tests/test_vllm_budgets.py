@@ -1,0 +1,166 @@
+"""Tree budget policies inside vLLM 0.32 (CPU): outputs stay those of plain decoding.
+
+The "auto" engines get a synthetic step cost model (the start-up measurement is replaced, and
+the online correction is held at 1) so that its choices do not depend on this machine's load:
+with it, a step gives some requests nodes and others none. Oracles: plain decoding (100 % token
+identity), the recorded per-step budgets, and the acceptance of a drafter that never paused.
+"""
+
+import pytest
+import torch
+from vllm_utils import (
+    PROMPTS,
+    close,
+    ddtree_spec,
+    ddtree_state,
+    make_llm,
+    mean_acceptance_length,
+    spec_metrics,
+)
+
+from vllm import SamplingParams
+from vllm_ddtree.budget import CostModel
+from vllm_ddtree.plugin import costs
+from vllm_ddtree.plugin.cpu_attention import cpu_kv_layout
+from vllm_ddtree.plugin.policy import BudgetController
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=512)
+# T_verify(n) = 10 ms + 1 ms per token, drafter 1 ms: a node pays only if its calibrated path
+# probability beats the step's rate times 1 ms, so confident requests draft, others do not
+MIXED_COST = CostModel((1, 1001), (0.011, 1.011), (1,), (0.001,))
+# drafting never pays: every node costs 1 s
+NEVER_COST = CostModel((1, 2), (0.001, 1.0), (1,), (0.001,))
+# verification is free: every node pays
+FREE_COST = CostModel((1, 1000), (0.01, 0.01), (1,), (0.001,))
+
+
+def _token_ids(outputs):
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    llm = make_llm(None, **ENGINE)
+    ids = _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    close(llm)
+    return ids
+
+
+@pytest.fixture
+def synthetic_auto(monkeypatch):
+    """Start-up measurement -> the given model; no online correction; budgets recorded."""
+    steps = []
+
+    def use(cost):
+        monkeypatch.setattr(costs, "measure_costs", lambda runner: cost)
+
+    monkeypatch.setattr(BudgetController, "step_started", lambda self, *a: None)
+    drafts_sent = BudgetController.drafts_sent
+
+    def recording(self, budgeted, num_nodes):
+        steps.append((bool(self._drafting_now), list(budgeted)))
+        return drafts_sent(self, budgeted, num_nodes)
+
+    monkeypatch.setattr(BudgetController, "drafts_sent", recording)
+    return use, steps
+
+
+def test_auto_with_mixed_budgets_is_identical_to_plain_decoding(baseline, synthetic_auto):
+    use, steps = synthetic_auto
+    use(MIXED_COST)
+    llm = make_llm(ddtree_spec(32, ddtree_budget_policy="auto"), **ENGINE)
+    for _ in range(2):
+        assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == baseline
+    budgets = [b for drafted, b in steps if drafted and len(b) > 1]
+    assert any(0 in b and max(b) > 0 for b in budgets), budgets  # mixed in one step
+    assert len({n for b in budgets for n in b}) > 3  # budgets really vary
+    summary = ddtree_state(llm).budgets.summary()
+    assert 0 < summary["mean_nodes_per_request_step"] < 32
+    assert all(c > 0 for c in summary["calibration_greedy"])
+    assert mean_acceptance_length(spec_metrics(llm)) > 1.2
+    close(llm)
+
+
+def test_table_policy_is_identical_and_pauses_large_batches(baseline):
+    """[[2, 16], [256, 0]]: batches of 1-2 requests draft 16 nodes each, larger ones none (the
+    drafter pauses: plain decoding steps)."""
+    llm = make_llm(ddtree_spec(16, ddtree_budget_policy=[[2, 16], [256, 0]]), **ENGINE)
+    assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == baseline
+    assert spec_metrics(llm).get("vllm:spec_decode_num_drafts", 0) == 0  # 6 at once: none
+    assert _token_ids(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)) == baseline[:2]
+    metrics = spec_metrics(llm)
+    assert metrics["vllm:spec_decode_num_drafts"] > 0
+    assert mean_acceptance_length(metrics) > 1.3
+    close(llm)
+
+
+def _runner(llm):
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker \
+        .model_runner
+
+
+def drafter_context(llm) -> dict[str, tuple[torch.Tensor, torch.Tensor, int, int]]:
+    """Per running request: the K and V of its committed positions in the first drafter layer
+    (read through the CPU cache layout), the number of committed positions, of prompt ones."""
+    runner = _runner(llm)
+    name = sorted(runner.drafter._draft_attn_layer_names)[0]
+    layer = runner.compilation_config.static_forward_context[name]
+    layout = cpu_kv_layout(layer.kv_cache, layer.isa)
+    block_size = layer.kv_cache.shape[2]
+    table = runner.input_batch.block_table[runner.drafter.kv_cache_gid].block_table.cpu
+    out = {}
+    for req_id, row in runner.input_batch.req_id_to_index.items():
+        request = runner.requests[req_id]
+        pos = torch.arange(request.num_computed_tokens)
+        slots = table[row, pos // block_size].long() * block_size + pos % block_size
+        k, v = layout.read(slots)
+        out[req_id] = (k, v, request.num_computed_tokens, request.num_prompt_tokens)
+    return out
+
+
+def test_a_paused_drafter_keeps_its_context(baseline, synthetic_auto):
+    """While auto pauses the drafter (drafting never pays here), only the drafter's context
+    pass runs, and it leaves the drafter's cache exactly as a drafter that drafts every step
+    leaves it: the context K/V of every committed position equal (so drafting can resume with
+    the same trees). Without the context pass (a mutant) the generated positions differ: this
+    test can fail. Outputs stay those of plain decoding."""
+    use, steps = synthetic_auto
+
+    def context_after_steps(spec, mutant=False):
+        llm = make_llm(spec, **ENGINE)
+        if mutant:
+            _runner(llm).drafter.store_context = lambda *args: None
+        engine = llm.llm_engine
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt, GREEDY)
+        outputs = {}
+        for _ in range(30):
+            for out in engine.step():
+                outputs[out.request_id] = out
+        context = drafter_context(llm)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs[out.request_id] = out
+        ids = [list(outputs[str(i)].outputs[0].token_ids) for i in range(len(PROMPTS))]
+        num_drafts = spec_metrics(llm).get("vllm:spec_decode_num_drafts", 0)
+        del engine
+        close(llm)
+        return context, ids, num_drafts
+
+    reference, ids, num_drafts = context_after_steps(ddtree_spec(16))
+    assert ids == baseline and num_drafts > 0
+    use(NEVER_COST)
+    steps.clear()
+    paused, ids, num_drafts = context_after_steps(ddtree_spec(16, ddtree_budget_policy="auto"))
+    assert ids == baseline
+    assert num_drafts == 0  # no verify step: every step after prefill was plain decoding
+    # probes at the first proposal step, then after pauses of 8 and 16 steps
+    assert sum(drafted for drafted, _ in steps) <= 3 < len(steps), steps
+    holed, _, _ = context_after_steps(ddtree_spec(16, ddtree_budget_policy="auto"), mutant=True)
+    for req_id, (k, v, committed, prompt) in reference.items():
+        n = min(committed, paused[req_id][2], holed[req_id][2]) - 1
+        assert n > prompt + 10  # generated positions are compared
+        torch.testing.assert_close(paused[req_id][0][:n], k[:n], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(paused[req_id][1][:n], v[:n], atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(holed[req_id][0][:n], k[:n], atol=1e-2), req_id

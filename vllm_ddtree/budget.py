@@ -1,0 +1,221 @@
+"""Tree budgets per request and step: static, a batch-size table, or cost-aware ("auto").
+
+A request's tree is its first b nodes in best-first order (any prefix is a subtree). Node i
+has score ``s_i = log q(path to i)`` under the drafter's factorised surrogate, and by DDTree's
+Prop. 1 the expected accepted length of a tree is the sum over its nodes of the probability of
+each node's path. The drafter is over- or under-confident, and more so deeper down, so the
+**gain** of a node at depth d is ``g = c_d * exp(s)``, where the calibration ``c_d`` is the
+ratio of the acceptances actually observed at depth d to the drafter's predictions for the same
+trees (:class:`Calibration`, running on the device).
+
+"auto" (:func:`auto_budgets`) maximises the expected emitted tokens per second of a step: with
+R requests and k verified nodes in all, a step emits ``R + S_k`` tokens (``S_k``: the gains of
+the k nodes) and costs ``T_verify(R + k) + T_draft(R)`` (:class:`CostModel`, measured by the
+engine). The k nodes of largest gain over ALL requests of the batch are taken, k chosen by an
+exhaustive argmax over ``0 .. R * B`` (gains are sorted, so this is the best set of every size);
+each request's budget is its number of nodes among them. If even the best k emits fewer tokens
+per second than not drafting at all (``R / T_verify(R)``: a plain decoding step, no drafter),
+every budget is 0 and the drafter should pause. Everything runs on the device with fixed
+shapes: no host synchronisation.
+
+No vLLM imports here; the plugin measures the costs and feeds the calibration.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CostModel", "Calibration", "TablePolicy", "auto_budgets"]
+
+
+def _interpolate(x: torch.Tensor, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+    """Piecewise-linear ``y(x)`` through ``(xs, ys)`` (xs increasing), extended linearly past
+    both ends by the first and last segments. Example: xs [1, 5], ys [2, 10]: y(3) = 6, y(9) = 18.
+    """
+    if xs.numel() == 1:
+        return ys[0].expand_as(x).to(torch.float64)
+    x = x.to(torch.float64)
+    seg = (torch.searchsorted(xs, x.contiguous(), right=True) - 1).clamp(0, xs.numel() - 2)
+    x0, x1, y0, y1 = xs[seg], xs[seg + 1], ys[seg], ys[seg + 1]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def _interpolate_host(x: float, xs: tuple, ys: tuple) -> float:
+    """:func:`_interpolate` for one value on the host (floored like the device version)."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
+    y = ys[i] + (ys[i + 1] - ys[i]) * (x - xs[i]) / (xs[i + 1] - xs[i])
+    return max(y, min(ys) * 1e-3)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Measured step costs, in seconds.
+
+    ``verify_tokens`` / ``verify_seconds``: a target step that processes n tokens (its forward,
+    the logits of every row and their sampling), at increasing token counts. ``draft_requests``
+    / ``draft_seconds``: the drafter's pass and the tree build for R requests. Between the
+    measured points costs are interpolated linearly (and extrapolated by the end segments).
+    """
+
+    verify_tokens: tuple[int, ...]
+    verify_seconds: tuple[float, ...]
+    draft_requests: tuple[int, ...]
+    draft_seconds: tuple[float, ...]
+
+    def __post_init__(self):
+        for xs, ys, name in ((self.verify_tokens, self.verify_seconds, "verify"),
+                             (self.draft_requests, self.draft_seconds, "draft")):
+            if not xs or len(xs) != len(ys):
+                raise ValueError(f"{name}: {len(xs)} points and {len(ys)} times; need >= 1 each")
+            if any(b <= a for a, b in zip(xs, xs[1:])):
+                raise ValueError(f"{name} points must increase, got {xs}")
+            if any(not y > 0 for y in ys):
+                raise ValueError(f"{name} times must be positive, got {ys}")
+
+    def _points(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The verify curve on ``device``, uploaded once (no per-step host-to-device copy)."""
+        cache = self.__dict__.setdefault("_device_points", {})
+        if device not in cache:
+            cache[device] = (torch.tensor(self.verify_tokens, dtype=torch.float64).to(device),
+                             torch.tensor(self.verify_seconds, dtype=torch.float64).to(device))
+        return cache[device]
+
+    def verify_time(self, num_tokens: torch.Tensor) -> torch.Tensor:
+        """Seconds of a target step of ``num_tokens`` tokens (any shape, float64, on its device)."""
+        xs, ys = self._points(num_tokens.device)
+        return _interpolate(num_tokens, xs, ys).clamp(min=min(self.verify_seconds) * 1e-3)
+
+    def upload(self, device: torch.device) -> None:
+        """Put the curve on ``device`` now (engine start), so serving never copies it."""
+        self._points(torch.device(device))
+
+    def draft_time(self, num_requests: int) -> float:
+        """Seconds of the drafter and the tree build for ``num_requests`` requests (host)."""
+        return _interpolate_host(num_requests, self.draft_requests, self.draft_seconds)
+
+    def verify_time_host(self, num_tokens: int) -> float:
+        """:meth:`verify_time` on the host, for one token count."""
+        return _interpolate_host(num_tokens, self.verify_tokens, self.verify_seconds)
+
+    def to_dict(self) -> dict:
+        return {k: list(getattr(self, k)) for k in
+                ("verify_tokens", "verify_seconds", "draft_requests", "draft_seconds")}
+
+
+class Calibration:
+    """Per-depth calibration of the drafter's path probabilities, on the device.
+
+    For every verified tree (rows whose drafts were the recorded proposal), depth d predicts
+    ``P(accepted >= d) = sum of exp(score)`` over its nodes at depth d and observes whether the
+    walk accepted at least d tokens. Running sums of both decay by ``decay`` per update, and
+    ``c_d = (observed_d + prior) / (predicted_d + prior)``: 1 until evidence says otherwise.
+    Greedy and sampled requests are calibrated separately (row 0: greedy, row 1: sampled; the
+    walk at T > 0 accepts less than at T = 0).
+    Example: depth-1 nodes with q-mass 0.9 in two trees, one accepting a depth-1 token: with no
+    prior, c_1 = 1 / 1.8 = 0.56.
+    """
+
+    def __init__(self, depth: int, device: torch.device, decay: float = 0.99,
+                 prior: float = 1.0):
+        self.depth = depth
+        self.decay = decay
+        self.prior = prior
+        self.predicted = torch.zeros(2, depth, dtype=torch.float64, device=device)
+        self.observed = torch.zeros(2, depth, dtype=torch.float64, device=device)
+
+    def factors(self) -> torch.Tensor:
+        """``[2, L]`` float64: c_d for greedy (row 0) and sampled (row 1) requests."""
+        return (self.observed + self.prior) / (self.predicted + self.prior)
+
+    def observe(self, scores: torch.Tensor, depths: torch.Tensor, num_accepted: torch.Tensor,
+                counted: torch.Tensor, sampled: torch.Tensor) -> None:
+        """Fold in one verify step.
+
+        Args:
+            scores: ``[R, B]`` log q of each node's path (-inf for padding).
+            depths: ``[R, B]`` node depths, 0 for padding.
+            num_accepted: ``[R]`` accepted nodes per request.
+            counted: ``[R]`` bool, the rows to count (trees that were the drafter's proposal).
+            sampled: ``[R]`` bool, the request samples (T > 0).
+        """
+        num_reqs = scores.shape[0]
+        level = torch.arange(1, self.depth + 1, device=scores.device)
+        mass = torch.zeros(num_reqs, self.depth + 1, dtype=torch.float64, device=scores.device)
+        mass.scatter_add_(1, depths.clamp(0, self.depth), scores.double().exp()
+                          .masked_fill(depths <= 0, 0.0))
+        predicted = mass[:, 1:]  # [R, L]
+        observed = (num_accepted[:, None] >= level[None, :]).double()
+        weight = counted.double()[:, None]
+        kind = sampled.long()
+        self.predicted.mul_(self.decay).index_add_(0, kind, predicted * weight)
+        self.observed.mul_(self.decay).index_add_(0, kind, observed * weight)
+
+
+def node_gains(scores: torch.Tensor, depths: torch.Tensor, factors: torch.Tensor,
+               sampled: torch.Tensor) -> torch.Tensor:
+    """``[R, B]`` calibrated gain ``c_d * exp(score)`` of every node, 0 for padding."""
+    rows = factors[sampled.long()]  # [R, L]
+    c = rows.gather(1, (depths - 1).clamp(min=0))
+    return torch.where(depths > 0, c * scores.double().exp(), 0.0)
+
+
+def auto_budgets(gains: torch.Tensor, cost: CostModel, on_scale: float = 1.0,
+                 off_scale: float = 1.0) -> torch.Tensor:
+    """Per-request budgets ``[R]`` int64 that maximise the expected tokens per second of a step.
+
+    Args:
+        gains: ``[R, B]`` calibrated node gains in each request's best-first order (non-
+            increasing along a row; 0 for padding).
+        cost: the step cost model.
+        on_scale, off_scale: observed / predicted step time of steps that drafted, and of
+            steps that did not (the engine's online correction; 1 = trust the model).
+
+    The nodes of all requests are ranked by gain (ties: request, then node order); taking the
+    first k costs ``T_verify(R + k) + T_draft(R)`` and emits ``R + S_k`` tokens in expectation.
+    The best k wins, unless ``R / T_verify(R)`` (no drafter at all) is at least as good: then
+    every budget is 0. A request's budget is its number of nodes among the first k, a prefix
+    of its best-first list, hence a subtree.
+
+    Example: two requests with gains [[.9, .5], [.6, .1]], T_verify(n) = n ms, T_draft = 1 ms:
+    k = 0..4 give (2 + [0, .9, 1.5, 2.0, 2.1]) / ([2, 3, 4, 5, 6] + 1) tokens per ms =
+    [.67, .73, .70, .67, .59]: k = 1, budgets [1, 0]; plain decoding gives 2 / 2 = 1 token
+    per ms, better still, so both budgets are 0.
+    """
+    num_reqs, width = gains.shape
+    device = gains.device
+    flat = gains.flatten()
+    order = torch.sort(flat, descending=True, stable=True).indices  # [R * B]
+    taken = torch.cat([flat.new_zeros(1), flat[order].cumsum(0)])  # S_0 .. S_{R*B}
+    k = torch.arange(num_reqs * width + 1, device=device)
+    step_time = (cost.verify_time(num_reqs + k) + cost.draft_time(num_reqs)) * on_scale
+    rate = (num_reqs + taken) / step_time
+    best = rate.argmax()
+    plain = num_reqs / (cost.verify_time(torch.full((), float(num_reqs), device=device))
+                        * off_scale)
+    keep = torch.where(rate[best] > plain, best, 0)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=device)
+    chosen = (rank < keep).view(num_reqs, width)
+    return chosen.sum(dim=1)
+
+
+class TablePolicy:
+    """``[[max_running_requests, budget], ...]``: the first row whose bound covers the step's
+    number of requests gives every request its budget (like vLLM's dynamic speculation length).
+
+    Example: ``[[4, 64], [16, 16], [256, 0]]``: 1-4 requests draft 64 nodes each, 5-16 draft
+    16, 17-256 none.
+    """
+
+    def __init__(self, rows: list[list[int]]):
+        self.bounds = [int(bound) for bound, _ in rows]
+        self.budgets = [int(budget) for _, budget in rows]
+
+    def budget(self, num_requests: int) -> int:
+        i = bisect.bisect_left(self.bounds, num_requests)
+        return self.budgets[min(i, len(self.budgets) - 1)]

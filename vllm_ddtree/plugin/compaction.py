@@ -1,0 +1,129 @@
+"""K/V compaction after a verify step: the accepted path moves to the chain slots.
+
+vLLM's scheduler assumes chains: after a step that verified ``m`` drafts and accepted ``k``,
+the request's tokens are the first ``1 + k`` query slots. A tree puts accepted node ``q_j`` at
+query slot ``q_j + 1``, so its K/V is copied to slot ``j`` in every target layer before the
+next forward (on the same stream). Drafter layers need no compaction: DFlash rewrites their
+context K/V from the gathered hidden states every step (see ``proposer.py``).
+
+:class:`KVCompactor` is built once per runner when the KV caches exist
+(``initialize_kv_cache``): it groups the target's layer caches by KV-cache group, head size and
+CPU kernel ISA, drops duplicates (KV-sharing layers alias another layer's cache: moving it twice
+would be harmless but wasted work), and on CUDA uploads one pointer table per group. A step
+then costs one gather of the group's slot mapping and one ``compact_kv`` launch per group, with
+no host synchronisation and no host-to-device copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_ddtree.kernels import KVCacheTable, compact_kv
+
+
+@dataclass
+class CacheGroup:
+    """Target layer caches of one KV-cache group that share shape and layout."""
+
+    group_id: int  # vLLM's KV-cache group: its block table gives the slots
+    head_dim: int
+    isa: str | None  # vLLM's CPU attention kernel ISA (CPU only): the slot layout
+    caches: list[torch.Tensor]  # one per distinct layer cache, [nb, nkv, bs, 2 * head_dim]
+    table: object | None = None  # CUDA: the group's KVCacheTable (pointer table), built once
+
+
+def kv_views(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's CUDA layer cache, logical ``[nb, nkv, bs, 2 * D]`` in any physical stride order
+    -> (K, V) views ``[nb, bs, nkv, D]``, the layout the Triton kernels take."""
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(head_dim, dim=-1)
+    return key_cache, value_cache
+
+
+def _storage_key(cache: torch.Tensor) -> tuple:
+    return (cache.untyped_storage().data_ptr(), cache.storage_offset(), tuple(cache.shape),
+            cache.stride())
+
+
+def target_cache_groups(kv_cache_groups, forward_context, drafter_layers) -> list[CacheGroup]:
+    """The target's layer caches, grouped by (KV-cache group, head size, ISA), each distinct
+    cache once.
+
+    A group whose layers differ in shape (vLLM's ``UniformTypeKVCacheSpecs``, e.g. a drafter
+    with other KV heads than the target in the target's group) is split by head size, so each
+    entry holds caches of one shape and layout. Example: layers a, b, c of group 0 where c
+    shares a's cache (``kv_sharing_target_layer_name``) -> one group with the caches of a, b.
+    """
+    groups: dict[tuple[int, int, str | None], CacheGroup] = {}
+    seen: set[tuple] = set()
+    for gid, group in enumerate(kv_cache_groups):
+        per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", None) or {}
+        for name in group.layer_names:
+            if name in drafter_layers:
+                continue
+            layer = forward_context[name]
+            cache = layer.kv_cache
+            if not isinstance(cache, torch.Tensor) or cache.numel() == 0:
+                continue
+            key = _storage_key(cache)
+            if key in seen:
+                continue
+            seen.add(key)
+            head_dim = per_layer.get(name, group.kv_cache_spec).head_size
+            isa = getattr(layer, "isa", None)
+            entry = groups.setdefault((gid, head_dim, isa), CacheGroup(gid, head_dim, isa, []))
+            entry.caches.append(cache)
+    return list(groups.values())
+
+
+class KVCompactor:
+    """Moves accepted K/V to chain slots in every target layer (see the module doc)."""
+
+    def __init__(self, runner, use_triton: bool | None = None):
+        """``use_triton``: compact with the Triton kernel (vLLM's CUDA cache layout); None
+        decides by the caches' device (tests force it on the CPU under TRITON_INTERPRET=1)."""
+        self._runner = runner
+        drafter_layers = set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ())
+        self.groups = target_cache_groups(
+            runner.kv_cache_config.kv_cache_groups,
+            runner.compilation_config.static_forward_context,
+            drafter_layers,
+        )
+        for group in self.groups:
+            if use_triton if use_triton is not None else group.caches[0].is_cuda:
+                group.table = KVCacheTable.from_caches(
+                    [kv_views(cache, group.head_dim) for cache in group.caches]
+                )
+
+    def compact(self, src_rows: torch.Tensor, dst_rows: torch.Tensor, num_tokens: int) -> None:
+        """Copy query row ``src_rows[n]``'s K/V to query row ``dst_rows[n]``'s slot (``-1``:
+        skip) in every target layer. Rows index this step's flat batch of ``num_tokens``.
+
+        Example: rows 44 -> 42 with group 0's slot mapping [.., 42: 1030, .., 44: 1032, ..]
+        copies slot 1032 to slot 1030 in each layer of group 0.
+        """
+        block_tables = self._runner.input_batch.block_table
+        for group in self.groups:
+            # query row -> K/V slot of this group (each group has its own block table)
+            slot_mapping = block_tables[group.group_id].slot_mapping.gpu[:num_tokens]
+            src = slot_mapping[src_rows.clamp(min=0)].to(torch.int64).masked_fill(src_rows < 0, -1)
+            dst = slot_mapping[dst_rows.clamp(min=0)].to(torch.int64).masked_fill(dst_rows < 0, -1)
+            if group.table is not None:
+                compact_kv(group.table, src, dst)
+            else:
+                from vllm_ddtree.plugin.cpu_attention import compact_cpu_kv  # vLLM's CPU ops
+
+                compact_cpu_kv(group.caches, group.isa, src, dst)
+
+    def warm_up(self) -> None:
+        """Compile the compaction kernel of every group now (engine start), not mid-serving.
+
+        All pairs are -1, so nothing moves. The kernel's compile key does not depend on the
+        number of slots (see ``compact_kv``), so this one launch per group covers every step.
+        """
+        for group in self.groups:
+            if group.table is None:
+                continue
+            skip = torch.full((1,), -1, dtype=torch.int64, device=group.table.device)
+            compact_kv(group.table, skip, skip)

@@ -1,0 +1,110 @@
+"""Start-up measurement of the step costs that ``ddtree_budget_policy: "auto"`` weighs.
+
+Run once per engine, after vLLM's own warm-up (and CUDA graph capture), by the worker patch
+in ``patches.py``; it takes a few seconds and fits whatever device runs it:
+
+- **verify**: a target step over n tokens, at n = 1, 2, 4, ... up to ``max_num_batched_tokens``:
+  vLLM's own dummy forward (``GPUModelRunner._dummy_run``, so CUDA graphs are used where serving
+  uses them; the drafter's part of the dummy run is switched off for the measurement), the
+  logits of all n rows (the verify step needs every row's distribution) and their argmax.
+- **draft**: the drafter for R requests, at R = 1, 2, 4, ... up to ``max_num_seqs``: its dummy
+  pass over R * (L + 1) query tokens (with the context K/V write), the lm_head over the R * L
+  drafted positions, and the tree build with auto's budget function.
+
+Each point is the median of 3 timed runs after one warm-up run, with the device synchronised
+around each run (start-up only: serving never synchronises for this). The random state is
+restored afterwards, so seeded generation is unaffected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+import torch
+
+from vllm_ddtree.budget import CostModel, auto_budgets, node_gains
+from vllm_ddtree.tree import build_tree
+
+REPEATS = 3
+
+
+def _grid(top: int) -> list[int]:
+    """Powers of two below ``top``, then ``top``. Example: 48 -> [1, 2, 4, 8, 16, 32, 48]."""
+    points = [1 << i for i in range(max(top, 1).bit_length()) if 1 << i < top]
+    return points + [max(top, 1)]
+
+
+def _median_seconds(fn, sync) -> float:
+    fn()  # warm-up: allocations, first-call paths
+    times = []
+    for _ in range(REPEATS):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@contextlib.contextmanager
+def _without_drafter_dummy(drafter):
+    """vLLM's target dummy run also runs the drafter's; time the target alone."""
+    drafter.dummy_run = lambda *args, **kwargs: None  # instance attribute shadows the method
+    try:
+        yield
+    finally:
+        del drafter.dummy_run
+
+
+def measure_costs(runner) -> CostModel:
+    """The :class:`~vllm_ddtree.budget.CostModel` of ``runner``'s engine (see the module doc)."""
+    state = runner.ddtree_state
+    drafter = runner.drafter
+    device = runner.device
+    depth, budget = state.depth, state.budget
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def verify(num_tokens: int) -> None:
+        hidden, _ = runner._dummy_run(num_tokens, skip_eplb=True, remove_lora=False)
+        runner.model.compute_logits(hidden[:num_tokens]).argmax(dim=-1)
+
+    unit_cost = CostModel((1,), (1.0,), (1,), (1.0,))
+    unit_cost.upload(device)
+
+    def draft(num_reqs: int) -> None:
+        drafter.dummy_run(num_reqs * (depth + 1), use_cudagraphs=not runner.model_config.enforce_eager)
+        hidden = torch.randn(num_reqs * depth, drafter.hidden_size, device=device,
+                             dtype=runner.model_config.dtype)
+        logits = drafter.model.compute_logits(hidden).view(num_reqs, depth, -1)
+        factors = torch.ones(2, depth, dtype=torch.float64, device=device)
+        sampled = torch.zeros(num_reqs, dtype=torch.bool, device=device)
+        build_tree(logits, lambda s, d: auto_budgets(node_gains(s, d, factors, sampled),
+                                                     unit_cost), max_budget=budget)
+
+    max_tokens = min(runner.max_num_tokens, runner.max_num_reqs * (budget + 1))
+    with torch.inference_mode(), torch.random.fork_rng(devices=[device] if cuda else []):
+        with _without_drafter_dummy(drafter):
+            verify_points = [(n, _median_seconds(lambda: verify(n), sync))
+                             for n in _grid(max_tokens)]
+        draft_points = [(r, _median_seconds(lambda: draft(r), sync))
+                        for r in _grid(runner.max_num_reqs)]
+    return CostModel(
+        verify_tokens=tuple(n for n, _ in verify_points),
+        verify_seconds=_monotone(t for _, t in verify_points),
+        draft_requests=tuple(r for r, _ in draft_points),
+        draft_seconds=_monotone(t for _, t in draft_points),
+    )
+
+
+def _monotone(times) -> tuple[float, ...]:
+    """A smaller batch never costs more than a bigger one: each point is capped by every
+    later one, so a noisy spike (a page fault, another process) cannot make the model say
+    otherwise. Example: [9.0, 2.0, 1.9, 3.0] -> (1.9, 1.9, 1.9, 3.0)."""
+    out, low = [], float("inf")
+    for t in reversed(list(times)):
+        low = min(low, t)
+        out.append(low)
+    return tuple(reversed(out))

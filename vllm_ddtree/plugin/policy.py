@@ -1,0 +1,216 @@
+"""The tree-budget policy of one model runner: how many nodes each request drafts, per step.
+
+``ddtree_budget_policy`` (see ``options.py``):
+
+- ``"static"``: every request gets B = ``num_speculative_tokens`` nodes.
+- a table of ``[max_running_requests, budget]`` rows: every request of a step with R requests
+  gets the budget of the first row whose bound covers R; a budget of 0 pauses the drafter.
+- ``"auto"``: per-request budgets from :func:`vllm_ddtree.budget.auto_budgets`, on the device,
+  inside the tree build: calibrated node gains against the step cost model the engine measured
+  at start-up (:mod:`vllm_ddtree.plugin.costs`), corrected online by the step times it sees.
+
+What the drafter does when a step gives no request any node: it still stores the context
+K/V of the step's new tokens in its cache (DFlash's context pass, a few small GEMMs), but skips
+its query pass, the lm_head and the tree build, and the scheduler gets no drafts, so the next
+step is a plain decoding step. This stays correct because verification never depends on the
+drafter (no drafts: vLLM's own sampler), and the drafter's cache stays complete, so when
+drafting resumes its context is exactly the committed text.
+
+"auto" pauses the drafter when even its best tree does not beat plain decoding, and probes
+again after a pause that doubles each time the answer stays the same (8 steps, then 16, ...
+up to 256), per batch-size bucket (R's power of two): a new regime of traffic gets its own
+answer. Online correction: the wall time between consecutive decode steps is compared with the
+cost model's prediction for what the step did (drafter on, or paused); the running ratios
+(``on_scale``, ``off_scale``) rescale the two sides of the comparison, so costs the start-up
+measurement cannot see (the CPU backend's tree attention, the sampler's rows) are learned.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_ddtree.budget import Calibration, CostModel, TablePolicy, auto_budgets, node_gains
+from vllm_ddtree.plugin.options import DDTreeOptions
+
+logger = logging.getLogger("vllm.ddtree")  # under vLLM's logger: its handlers and format
+
+FIRST_PAUSE, MAX_PAUSE = 8, 256  # steps: auto's pause after a "do not draft" answer, doubling
+SCALE_EMA = 0.1  # weight of each new step-time observation in the online correction
+LOG_INTERVAL_S = 10.0  # the periodic log line (vLLM's stats interval)
+
+
+@dataclass
+class PolicyStats:
+    """Counters since the last log line (host)."""
+
+    steps: int = 0  # proposal steps
+    drafted: int = 0  # ... in which the drafter ran its query pass
+    requests: int = 0  # request-steps (one per request per proposal step)
+    nodes: int = 0  # nodes sent to the scheduler
+    budgets: dict[int, int] = field(default_factory=dict)  # nodes per request -> count
+
+
+class BudgetController:
+    def __init__(self, options: DDTreeOptions, device: torch.device):
+        policy = options.budget_policy
+        self.name = policy if isinstance(policy, str) else "table"
+        self.max_budget = options.budget
+        self.depth = options.depth
+        self.device = device
+        self.table = None if isinstance(policy, str) else TablePolicy([list(r) for r in policy])
+        self.cost: CostModel | None = None  # auto: measured at start-up (set_cost_model)
+        self.calibration = Calibration(options.depth, device) if self.name == "auto" else None
+        self.step = 0
+        self._pause_until: dict[int, int] = {}  # batch bucket -> first step to draft again
+        self._pause: dict[int, int] = {}  # batch bucket -> the pause length that would follow
+        self.on_scale = self.off_scale = 1.0
+        self._last: tuple[float, int, int, bool] | None = None  # (start, R, tokens, drafted)
+        self._drafting_now = True
+        self.stats = PolicyStats()
+        self._totals = PolicyStats()
+        self._logged_at = time.monotonic()
+
+    # --- before the drafter runs ---------------------------------------------------------
+
+    def set_cost_model(self, cost: CostModel) -> None:
+        cost.upload(self.device)
+        self.cost = cost
+        logger.info("ddtree auto budgets: step cost model %s", cost.to_dict())
+
+    @staticmethod
+    def _bucket(num_reqs: int) -> int:
+        return max(num_reqs, 1).bit_length()
+
+    def drafting(self, num_reqs: int) -> bool:
+        """Whether the drafter runs its query pass this step (else: context K/V only)."""
+        if self.name == "static":
+            run = True
+        elif self.table is not None:
+            run = self.table.budget(num_reqs) > 0
+        else:
+            run = self.step >= self._pause_until.get(self._bucket(num_reqs), 0)
+        self._drafting_now = run
+        return run
+
+    def budget(self, num_reqs: int, sampled: torch.Tensor | None):
+        """What ``build_tree`` gets as its budget this step: an int, or (auto) a function of
+        the ranked candidates. ``sampled``: ``[R]`` bool, requests with T > 0 (None: all
+        greedy)."""
+        if self.name == "static":
+            return self.max_budget
+        if self.table is not None:
+            return self.table.budget(num_reqs)
+        if self.cost is None:
+            raise RuntimeError("ddtree auto budgets: no step cost model (measured at start-up)")
+        if sampled is None:
+            sampled = torch.zeros(num_reqs, dtype=torch.bool, device=self.device)
+        factors = self.calibration.factors()
+        on_scale, off_scale = self.on_scale, self.off_scale
+
+        def budgets(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+            gains = node_gains(scores, depths, factors, sampled)
+            return auto_budgets(gains, self.cost, on_scale=on_scale, off_scale=off_scale)
+
+        return budgets
+
+    # --- after the drafts reached the host (take_draft_token_ids) --------------------------
+
+    def drafts_sent(self, budgeted: list[int], num_nodes: list[int]) -> None:
+        """This step's outcome on the host: ``budgeted``, the nodes the policy gave each drafted
+        request; ``num_nodes``, what each request sends to the scheduler (after the cut near
+        ``max_tokens``)."""
+        stats = self.stats
+        stats.steps += 1
+        stats.drafted += int(self._drafting_now)
+        stats.requests += len(num_nodes)
+        stats.nodes += sum(num_nodes)
+        for n in num_nodes:
+            stats.budgets[n] = stats.budgets.get(n, 0) + 1
+        if self.name == "auto" and self._drafting_now:
+            bucket = self._bucket(len(num_nodes))
+            if budgeted and not any(budgeted):  # the best tree did not pay: pause
+                pause = self._pause.get(bucket, FIRST_PAUSE)
+                self._pause_until[bucket] = self.step + 1 + pause
+                self._pause[bucket] = min(2 * pause, MAX_PAUSE)
+            else:
+                self._pause.pop(bucket, None)
+        self.step += 1
+        self._maybe_log()
+
+    # --- verification and step timing ------------------------------------------------------
+
+    def observe_verify(self, tree, num_accepted: torch.Tensor, matched: torch.Tensor,
+                       sampled: torch.Tensor | None) -> None:
+        """Fold a verify step's outcome into the calibration (auto; device ops only)."""
+        if self.calibration is None:
+            return
+        if sampled is None:
+            sampled = torch.zeros_like(matched)
+        self.calibration.observe(tree.scores, tree.depths, num_accepted, matched, sampled)
+
+    def step_started(self, num_reqs: int, num_tokens: int, decode_only: bool) -> None:
+        """Called at the start of every step: the time since the previous step's start is that
+        step's cost; compare it with the model's prediction (auto)."""
+        now = time.perf_counter()
+        last, self._last = self._last, (now, num_reqs, num_tokens, self._drafting_now)
+        if self.cost is None or last is None or not decode_only:
+            if not decode_only:
+                self._last = None  # a prefill step's time says nothing about decode costs
+            return
+        start, reqs, tokens, drafted = last
+        predicted = self.cost.verify_time_host(tokens)
+        if drafted:
+            predicted += self.cost.draft_time(reqs)
+        ratio = min(max((now - start) / predicted, 0.05), 20.0)
+        if drafted:
+            self.on_scale += SCALE_EMA * (ratio - self.on_scale)
+        else:
+            self.off_scale += SCALE_EMA * (ratio - self.off_scale)
+
+    # --- observability ----------------------------------------------------------------------
+
+    def summary(self, stats: PolicyStats | None = None) -> dict:
+        """Mean nodes per request per step, how often the drafter ran, calibration, scales."""
+        stats = stats or self._merged()
+        out = {
+            "policy": self.name,
+            "steps": stats.steps,
+            "mean_nodes_per_request_step": stats.nodes / max(stats.requests, 1),
+            "drafter_on_fraction": stats.drafted / max(stats.steps, 1),
+            "budget_histogram": dict(sorted(stats.budgets.items())),
+        }
+        if self.calibration is not None:
+            factors = self.calibration.factors()  # a sync: only for logs and benchmarks
+            out["calibration_greedy"] = [round(float(c), 3) for c in factors[0]]
+            out["calibration_sampled"] = [round(float(c), 3) for c in factors[1]]
+            out["on_scale"], out["off_scale"] = round(self.on_scale, 3), round(self.off_scale, 3)
+        return out
+
+    def _merged(self) -> PolicyStats:
+        a, b = self._totals, self.stats
+        merged = PolicyStats(a.steps + b.steps, a.drafted + b.drafted, a.requests + b.requests,
+                             a.nodes + b.nodes, dict(a.budgets))
+        for n, count in b.budgets.items():
+            merged.budgets[n] = merged.budgets.get(n, 0) + count
+        return merged
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self._logged_at < LOG_INTERVAL_S:
+            return
+        self._logged_at = now
+        s = self.summary(self.stats)
+        extra = ""
+        if self.calibration is not None:
+            extra = (f", calibration per depth {s['calibration_greedy']} (greedy) "
+                     f"{s['calibration_sampled']} (sampled), cost scales on {s['on_scale']} "
+                     f"off {s['off_scale']}")
+        logger.info("ddtree %s budgets: %.1f nodes per request per step over %d steps, drafter "
+                    "on in %.0f%% of them%s", s["policy"], s["mean_nodes_per_request_step"],
+                    s["steps"], 100 * s["drafter_on_fraction"], extra)
+        self._totals = self._merged()
+        self.stats = PolicyStats()
