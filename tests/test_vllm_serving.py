@@ -141,7 +141,9 @@ def test_auto_budget_steps_have_no_host_sync_in_plugin_code():
         before = budgets.summary()
         _run_checked_steps(llm, MIXED, checker)
         after = budgets.summary()
-        assert checker.num_checked > 100
+        # paused steps run little plugin code: the context pass, the draft bookkeeping (a step
+        # without drafts samples with vLLM's sampler)
+        assert checker.num_checked > (100 if drafted else 30), checker.num_checked
         ran = after["drafter_on_fraction"] * after["steps"] - (
             before["drafter_on_fraction"] * before["steps"])
         steps = after["steps"] - before["steps"]

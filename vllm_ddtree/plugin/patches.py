@@ -18,7 +18,8 @@ must exist with the parameters it expects.
    compute (``support.py``), build the K/V compactor once the caches exist and compile the
    Triton kernels (engine start, not mid-serving).
 6. ``GPUModelRunner._prepare_inputs``: build the verify trees; depth positions in place.
-7. ``GPUModelRunner._sample``: after the walk, compact the accepted path's K/V.
+7. ``GPUModelRunner._sample``: after the walk, compact the accepted path's K/V; a step without
+   drafts samples with vLLM's own sampler.
 8. ``GPUModelRunner._input_fits_in_drafter``: the drafter needs depth + 1 slots past the
    committed tokens, not budget + 1 past every verified node.
 8b. ``GPUModelRunner.take_draft_token_ids``: each request sends only its real nodes (its
@@ -467,13 +468,15 @@ def _wrap_prepare_inputs(original):
         num_tokens = int(num_scheduled_tokens.sum())
         state.chain_positions = self.positions[:num_tokens].clone()
         _attach_state_to_builders(self, state)
-        if spec_decode_metadata is None:
-            num_reqs = self.input_batch.num_reqs
+        num_reqs = self.input_batch.num_reqs
+        num_draft = [] if spec_decode_metadata is None else spec_decode_metadata.num_draft_tokens
+        if not any(num_draft):
+            # No request has drafts (the policy paused the drafter, requests at their end,
+            # prefill): nothing to verify, the step samples like plain decoding (see _sample).
             state.budgets.step_started(num_reqs, num_tokens, num_tokens == num_reqs)
             state.end_step_without_verify()
             return result
-        num_reqs = self.input_batch.num_reqs
-        num_draft = list(spec_decode_metadata.num_draft_tokens)
+        num_draft = list(num_draft)
         # a decode-only step: every request runs its last token and its drafts (no prefill)
         state.budgets.step_started(num_reqs, num_tokens, num_tokens == num_reqs + sum(num_draft))
         starts = [0]
@@ -505,8 +508,15 @@ def _wrap_prepare_inputs(original):
 def _wrap_sample(original):
     @functools.wraps(original)
     def _sample(self, logits, spec_decode_metadata):
-        output = original(self, logits, spec_decode_metadata)
         state = getattr(self, "ddtree_state", None)
+        if (state is not None and spec_decode_metadata is not None and state.verify is None
+                and spec_decode_metadata.max_spec_len == 0):
+            # No drafts in this step: vLLM's own sampler, one row per request, exactly a step
+            # without speculation (seeded requests draw from their generators as there); the
+            # tree sampler would build, walk and compact empty trees for nothing.
+            return self.sampler(logits=logits,
+                                sampling_metadata=self.input_batch.sampling_metadata)
+        output = original(self, logits, spec_decode_metadata)
         if state is None or spec_decode_metadata is None or state.verdict is None:
             return output
         from vllm_ddtree.plugin.sampler import sampling_batch
