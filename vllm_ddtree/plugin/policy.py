@@ -16,13 +16,17 @@ step is a plain decoding step. This stays correct because verification never dep
 drafter (no drafts: vLLM's own sampler), and the drafter's cache stays complete, so when
 drafting resumes its context is exactly the committed text.
 
-"auto" pauses the drafter when even its best tree does not beat plain decoding, and probes
-again after a pause that doubles each time the answer stays the same (8 steps, then 16, ...
-up to 256), per batch-size bucket (R's power of two): a new regime of traffic gets its own
-answer. Online correction: the wall time between consecutive decode steps is compared with the
+"auto" pauses the drafter when even its best tree does not beat plain decoding in
+``PAUSE_AFTER`` consecutive steps while drafting has mostly not paid lately in this regime (a
+running rate of "draft" answers below one half: a few unsure trees, as at the start of a
+generation, do not switch off a drafter that pays), and probes again after a pause that doubles each time the probe's answer
+stays the same (8 steps, then 16, ... up to 256), per batch-size bucket (R's power of two): a
+new regime of traffic gets its own answer. Online correction: the wall time between consecutive decode steps is compared with the
 cost model's prediction for what the step did (drafter on, or paused); the running ratios
 (``on_scale``, ``off_scale``) rescale the two sides of the comparison, so costs the start-up
-measurement cannot see (the CPU backend's tree attention, the sampler's rows) are learned.
+measurement cannot see (the CPU backend's tree attention, the sampler's rows) are learned. One
+observation moves a ratio by at most ``SCALE_EMA`` of a factor of 2 (a page fault or another
+process's burst must not switch the drafter off).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from vllm_ddtree.plugin.options import DDTreeOptions
 logger = logging.getLogger("vllm.ddtree")  # under vLLM's logger: its handlers and format
 
 FIRST_PAUSE, MAX_PAUSE = 8, 256  # steps: auto's pause after a "do not draft" answer, doubling
+PAUSE_AFTER = 2  # consecutive "do not draft" answers before the first pause of a bucket
+ANSWER_EMA = 0.2  # weight of each answer in a bucket's running rate of "draft" answers
 SCALE_EMA = 0.1  # weight of each new step-time observation in the online correction
 LOG_INTERVAL_S = 10.0  # the periodic log line (vLLM's stats interval)
 
@@ -67,8 +73,10 @@ class BudgetController:
         self.step = 0
         self._pause_until: dict[int, int] = {}  # batch bucket -> first step to draft again
         self._pause: dict[int, int] = {}  # batch bucket -> the pause length that would follow
+        self._no_streak: dict[int, int] = {}  # batch bucket -> consecutive "do not draft"
+        self._draft_rate: dict[int, float] = {}  # batch bucket -> running rate of "draft"
         self.on_scale = self.off_scale = 1.0
-        self._last: tuple[float, int, int, bool] | None = None  # (start, R, tokens, drafted)
+        self._last: tuple[float, int, int] | None = None  # (start, R, tokens) of the step
         self._drafting_now = True
         self.stats = PolicyStats()
         self._totals = PolicyStats()
@@ -132,12 +140,20 @@ class BudgetController:
             stats.budgets[n] = stats.budgets.get(n, 0) + 1
         if self.name == "auto" and self._drafting_now:
             bucket = self._bucket(len(num_nodes))
-            if budgeted and not any(budgeted):  # the best tree did not pay: pause
-                pause = self._pause.get(bucket, FIRST_PAUSE)
-                self._pause_until[bucket] = self.step + 1 + pause
-                self._pause[bucket] = min(2 * pause, MAX_PAUSE)
+            paid = not budgeted or any(budgeted)
+            rate = self._draft_rate.get(bucket, 0.5)
+            rate = self._draft_rate[bucket] = rate + ANSWER_EMA * (float(paid) - rate)
+            if not paid:  # the best tree did not pay
+                streak = self._no_streak[bucket] = self._no_streak.get(bucket, 0) + 1
+                # a probe after a pause, or a streak where drafting has mostly not paid
+                if bucket in self._pause or (streak >= PAUSE_AFTER and rate < 0.5):
+                    pause = self._pause.get(bucket, FIRST_PAUSE)
+                    self._pause_until[bucket] = self.step + 1 + pause
+                    self._pause[bucket] = min(2 * pause, MAX_PAUSE)
+                    self._no_streak[bucket] = 0
             else:
                 self._pause.pop(bucket, None)
+                self._no_streak[bucket] = 0
         self.step += 1
         self._maybe_log()
 
@@ -154,22 +170,21 @@ class BudgetController:
 
     def step_started(self, num_reqs: int, num_tokens: int, decode_only: bool) -> None:
         """Called at the start of every step: the time since the previous step's start is that
-        step's cost; compare it with the model's prediction (auto)."""
+        step's cost (its verify forward over its tokens, then the drafter if it ran at its
+        end: ``_drafting_now`` still holds that decision); compare it with the model (auto)."""
         now = time.perf_counter()
-        last, self._last = self._last, (now, num_reqs, num_tokens, self._drafting_now)
+        last, self._last = self._last, (now, num_reqs, num_tokens)
         if self.cost is None or last is None or not decode_only:
             if not decode_only:
                 self._last = None  # a prefill step's time says nothing about decode costs
             return
-        start, reqs, tokens, drafted = last
+        start, reqs, tokens = last
         predicted = self.cost.verify_time_host(tokens)
-        if drafted:
+        if self._drafting_now:
             predicted += self.cost.draft_time(reqs)
-        ratio = min(max((now - start) / predicted, 0.05), 20.0)
-        if drafted:
-            self.on_scale += SCALE_EMA * (ratio - self.on_scale)
+            self.on_scale = _updated_scale(self.on_scale, (now - start) / predicted)
         else:
-            self.off_scale += SCALE_EMA * (ratio - self.off_scale)
+            self.off_scale = _updated_scale(self.off_scale, (now - start) / predicted)
 
     # --- observability ----------------------------------------------------------------------
 
@@ -214,3 +229,11 @@ class BudgetController:
                     s["steps"], 100 * s["drafter_on_fraction"], extra)
         self._totals = self._merged()
         self.stats = PolicyStats()
+
+
+def _updated_scale(scale: float, ratio: float) -> float:
+    """The running observed / predicted ratio after one more step: an exponential average
+    (weight ``SCALE_EMA``) of the ratio clipped to [scale / 2, 2 * scale] and to [0.05, 20].
+    Example: scale 1.0, a 10x outlier -> 1.1 (unclipped it would be 1.9)."""
+    ratio = min(max(ratio, scale / 2, 0.05), 2 * scale, 20.0)
+    return scale + SCALE_EMA * (ratio - scale)
