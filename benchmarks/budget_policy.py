@@ -1,0 +1,245 @@
+#!/usr/bin/env python
+"""Throughput of tree-budget policies through vLLM, side by side in one run.
+
+Configurations: plain decoding, vLLM's own DFlash chain (L drafts), ddtree with a static budget
+B in ``--budgets``, ddtree with ``ddtree_budget_policy: "auto"`` (maximum budget = the
+largest B), and ``ddtree_paused`` (the table ``[[1, 0]]``: the drafter never drafts), the floor
+of any budget policy inside vLLM's speculative engine: its steps carry the speculative
+bookkeeping and the drafter's context pass, which plain decoding does not. Each runs at every concurrency in ``--concurrency``: that many requests of
+``--max-tokens`` output tokens each (``ignore_eos``), all submitted at once; tokens/s = all
+output tokens / wall time, median of ``--repeats`` runs after one warm-up run. One engine per
+configuration (reused across concurrencies), started one after the other in this process.
+
+Prints a table (tokens/s and the ratio to the best configuration at each concurrency), writes
+JSON (with the machine, versions and this command) and a PNG to benchmarks/results/. The same
+script runs on a GPU box with CUDA vLLM (``--target``/``--drafter`` for another pair; the
+plugin's CUDA path needs VLLM_DDTREE_EXPERIMENTAL_CUDA=1).
+
+Usage::
+
+    .venv/bin/python benchmarks/budget_policy.py                      # the tiny pair, CPU
+    .venv/bin/python benchmarks/budget_policy.py --concurrency 1 --repeats 1 --max-tokens 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+PAIR = os.path.join(REPO, "vllm_ddtree", "assets", "tiny_pair")
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", default=f"{PAIR}/target")
+    p.add_argument("--drafter", default=f"{PAIR}/drafter")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--budgets", type=int, nargs="+", default=[4, 16, 64])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--only", nargs="+", default=None,
+                   help="configuration names to run (plain, dflash, ddtree_B<b>, ddtree_auto, ddtree_paused)")
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="default: eager on the CPU, CUDA graphs on a GPU")
+    p.add_argument("--out", default=None, help="JSON path (default: budget_policy_<device>.json)")
+    return p.parse_args(argv)
+
+
+def configurations(args, depth: int) -> list[tuple[str, dict | None]]:
+    top = max(args.budgets)
+    configs = [("plain", None),
+               ("dflash", {"method": "dflash", "model": args.drafter,
+                           "num_speculative_tokens": depth})]
+    configs += [(f"ddtree_B{b}", {"method": "ddtree", "model": args.drafter,
+                                   "num_speculative_tokens": b,
+                                   "ddtree_budget_policy": "static"}) for b in args.budgets]
+    configs.append(("ddtree_auto", {"method": "ddtree", "model": args.drafter,
+                                     "num_speculative_tokens": top,
+                                     "ddtree_budget_policy": "auto"}))
+    # the floor of every policy inside vLLM's speculative engine: the drafter never drafts
+    # (only its context pass runs), every step samples like plain decoding
+    configs.append(("ddtree_paused", {"method": "ddtree", "model": args.drafter,
+                                       "num_speculative_tokens": top,
+                                       "ddtree_budget_policy": [[1, 0]]}))
+    if args.only:
+        configs = [c for c in configs if c[0] in args.only]
+    return configs
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+def prompts_for(args, count: int) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    from vllm_ddtree.hf.evaluate import heldout_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    ids = heldout_prompts(tokenizer, count, args.prompt_len)
+    if len(ids) < count:  # fewer held-out files than requests: reuse them
+        ids = [ids[i % len(ids)] for i in range(count)]
+    return [{"prompt_token_ids": p} for p in ids]
+
+
+def ddtree_auto_stats(llm) -> dict | None:
+    try:
+        runner = (llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+                  .model_runner)
+    except AttributeError:
+        return None  # multiprocessing engine: the runner is in another process
+    state = getattr(runner, "ddtree_state", None)
+    controller = getattr(state, "budgets", None)
+    return None if controller is None else controller.summary()
+
+
+def run_config(args, name: str, spec: dict | None, prompts: list[dict]) -> dict:
+    import torch
+    from vllm import LLM, SamplingParams
+
+    top = max(args.concurrency)
+    budget = (spec or {}).get("num_speculative_tokens", 0)
+    llm = LLM(
+        model=args.target,
+        speculative_config=spec,
+        dtype=args.dtype,
+        enforce_eager=args.enforce_eager or not torch.cuda.is_available(),
+        gpu_memory_utilization=0.3 if not torch.cuda.is_available() else 0.85,
+        max_model_len=args.max_model_len,
+        max_num_seqs=top,
+        max_num_batched_tokens=max(2048, top * (budget + 16)),
+        seed=0,
+        disable_log_stats=False,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    result = {"name": name, "speculative_config": spec, "tokens_per_s": {}, "runs_s": {}}
+    for concurrency in args.concurrency:
+        batch = prompts[:concurrency]
+        llm.generate(batch, params, use_tqdm=False)  # warm-up
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            outs = llm.generate(batch, params, use_tqdm=False)
+            times.append(time.perf_counter() - start)
+            assert all(len(o.outputs[0].token_ids) == args.max_tokens for o in outs)
+        tokens = concurrency * args.max_tokens
+        result["runs_s"][concurrency] = times
+        result["tokens_per_s"][concurrency] = tokens / statistics.median(times)
+        print(f"  {name:12s} c={concurrency:3d}: {result['tokens_per_s'][concurrency]:9.1f} tok/s "
+              f"(runs {', '.join(f'{t:.2f}' for t in times)} s)", flush=True)
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
+               if m.name.startswith("vllm:spec_decode_num")}
+    drafts = metrics.get("vllm:spec_decode_num_drafts") or 0
+    if drafts:
+        result["mean_acceptance_length"] = 1 + metrics["vllm:spec_decode_num_accepted_tokens"] / drafts
+        result["mean_nodes_per_draft"] = metrics["vllm:spec_decode_num_draft_tokens"] / drafts
+    auto = ddtree_auto_stats(llm)
+    if auto is not None:
+        result["auto"] = auto
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    import gc
+
+    gc.collect()
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+    return result
+
+
+def plot(rows: list[dict], concurrency: list[int], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / len(rows)
+    for i, row in enumerate(rows):
+        xs = [j + i * width for j in range(len(concurrency))]
+        ax.bar(xs, [row["tokens_per_s"][c] for c in concurrency], width, label=row["name"])
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(concurrency))])
+    ax.set_xticklabels([f"concurrency {c}" for c in concurrency])
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with open(os.path.join(args.drafter, "config.json")) as f:
+        drafter = json.load(f)
+    block_size = (drafter.get("dflash_config") or {}).get("block_size") or drafter["block_size"]
+    prompts = prompts_for(args, max(args.concurrency))
+    device = device_name()
+    print(f"device: {device}; {len(prompts)} prompts x {args.max_tokens} tokens, T=0", flush=True)
+    rows = [run_config(args, name, spec, prompts)
+            for name, spec in configurations(args, block_size - 1)]
+    import torch
+    import vllm
+
+    best = {c: max(r["tokens_per_s"][c] for r in rows) for c in args.concurrency}
+    print(f"\n{'config':12s} " + " ".join(f"{'c=' + str(c):>16s}" for c in args.concurrency))
+    for r in rows:
+        cells = [f"{r['tokens_per_s'][c]:8.1f} ({r['tokens_per_s'][c] / best[c]:.2f}x)"
+                 for c in args.concurrency]
+        print(f"{r['name']:12s} " + " ".join(f"{cell:>16s}" for cell in cells))
+    summary = {}
+    auto = next((r for r in rows if r["name"] == "ddtree_auto"), None)
+    if auto is not None:
+        others = [r for r in rows if r["name"] not in ("ddtree_auto", "dflash", "ddtree_paused")]
+        for c in args.concurrency:
+            rival = max(others, key=lambda r: r["tokens_per_s"][c]) if others else None
+            if rival is not None:
+                summary[c] = {"best_of_plain_and_static": rival["name"],
+                              "auto_over_it": auto["tokens_per_s"][c] / rival["tokens_per_s"][c]}
+            paused = next((r for r in rows if r["name"] == "ddtree_paused"), None)
+            plain = next((r for r in rows if r["name"] == "plain"), None)
+            if paused is not None and plain is not None and c in summary:
+                summary[c]["paused_over_plain"] = (paused["tokens_per_s"][c]
+                                                   / plain["tokens_per_s"][c])
+        print("\nauto / best of plain and static B: " + ", ".join(
+            f"c={c}: {v['auto_over_it']:.3f} (vs {v['best_of_plain_and_static']})"
+            for c, v in summary.items()))
+        if all("paused_over_plain" in v for v in summary.values()):
+            print("never drafting (the floor of any policy) / plain: " + ", ".join(
+                f"c={c}: {v['paused_over_plain']:.3f}" for c, v in summary.items()))
+    tag = "cpu" if device.startswith("CPU") else device.lower().replace(" ", "_")
+    out = args.out or os.path.join(RESULTS, f"budget_policy_{tag}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    record = {
+        "command": " ".join([os.path.relpath(sys.argv[0], REPO)] + (argv or sys.argv[1:])),
+        "device": device,
+        "versions": {"torch": torch.__version__, "vllm": vllm.__version__},
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "rows": rows,
+        "auto_vs_best_of_plain_and_static": summary,
+    }
+    with open(out, "w") as f:
+        json.dump(record, f, indent=1)
+    plot(rows, args.concurrency, out.replace(".json", ".png"),
+         f"{device}: tiny pair, T=0, {args.max_tokens} tokens/request")
+    print(f"wrote {out} and its .png")
+
+
+if __name__ == "__main__":
+    main()
