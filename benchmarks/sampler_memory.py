@@ -115,18 +115,7 @@ def peak_extra_bytes(fn) -> int:
 def native_topk_topp(logits, generators, k, p):
     """``TopKTopPSampler.forward_native`` of vLLM 0.32 (``apply_top_k_top_p_pytorch`` then
     ``random_sample``), in place on ``logits`` like the original."""
-    if k is not None or p is not None:
-        logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
-        if k is not None:
-            top_k_mask = logits_sort.gather(1, (logits_sort.size(1) - k.long()).unsqueeze(1))
-            logits_sort.masked_fill_(logits_sort < top_k_mask, -float("inf"))
-        if p is not None:
-            probs_sort = logits_sort.softmax(dim=-1)
-            probs_sum = torch.cumsum(probs_sort, dim=-1, out=probs_sort)
-            top_p_mask = probs_sum <= 1 - p.unsqueeze(dim=1)
-            top_p_mask[:, -1] = False
-            logits_sort.masked_fill_(top_p_mask, -float("inf"))
-        logits = logits.scatter_(dim=-1, index=logits_idx, src=logits_sort)
+    logits = native_mask(logits, k, p)
     probs = logits.softmax(dim=-1, dtype=torch.float32)
     q = torch.empty_like(probs)
     if len(generators) != probs.shape[0]:
