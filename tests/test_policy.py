@@ -1,5 +1,6 @@
 """The budget controller's host-side rules (vllm_ddtree/plugin/policy.py), without an engine:
-when "auto" pauses the drafter, and the online correction of the step costs.
+when "auto" pauses the drafter, the online correction of the step costs, and the measured
+drafting / plain rates.
 
 Oracles: the documented pause schedule step by step, and the ratios computed by hand.
 """
@@ -10,7 +11,14 @@ import torch
 from vllm_ddtree.budget import CostModel
 from vllm_ddtree.plugin import policy
 from vllm_ddtree.plugin.options import DDTreeOptions
-from vllm_ddtree.plugin.policy import FIRST_PAUSE, PAUSE_AFTER, BudgetController
+from vllm_ddtree.plugin.policy import (
+    EXPLORE_AFTER,
+    FIRST_PAUSE,
+    MIN_MEASURED,
+    PAUSE_AFTER,
+    BudgetController,
+    MeasuredRate,
+)
 
 
 def controller() -> BudgetController:
@@ -74,7 +82,7 @@ def test_a_slow_step_moves_the_scales_little(monkeypatch):
 
     def step(seconds: float, drafted: bool) -> None:
         ctl._drafting_now = drafted  # the drafter decision at the end of the previous step
-        ctl.step_started(1, 1, True)
+        ctl.step_started(1, 1, True, drafted)
         clock[0] += seconds
 
     step(0.010, False)
@@ -84,3 +92,94 @@ def test_a_slow_step_moves_the_scales_little(monkeypatch):
     for _ in range(60):  # drafter steps at 30 ms, predicted 15 ms: on_scale -> 2
         step(0.030, True)
     assert ctl.on_scale == pytest.approx(2.0, rel=0.01)
+
+
+def test_measured_rate_is_a_mean_then_an_exponential_average():
+    rate = MeasuredRate()
+    rate.add(0.010, 1)
+    rate.add(0.030, 3)
+    assert (rate.seconds, rate.tokens) == (pytest.approx(0.020), pytest.approx(2.0))
+    for _ in range(8):
+        rate.add(0.020, 2)
+    assert rate.steps == 10 and rate.tokens_per_s() == pytest.approx(100.0)
+    rate.add(0.120, 2)  # past 1 / MEASURED_EMA steps: weight 0.1
+    assert rate.seconds == pytest.approx(0.020 + policy.MEASURED_EMA * 0.100)
+
+
+class Engine:
+    """Drives a controller like the runner does: per step, step_started (with whether the step
+    verifies drafts), the emitted tokens, then the proposal (drafting / drafts_sent), on a fake
+    clock. The cost model says drafting always pays (verification free, gains large)."""
+
+    def __init__(self, monkeypatch, num_reqs: int = 1):
+        self.ctl = controller()
+        self.ctl.set_cost_model(CostModel((1, 1000), (0.005, 0.005), (1,), (0.001,)))
+        self.clock = [0.0]
+        monkeypatch.setattr(policy.time, "perf_counter", lambda: self.clock[0])
+        self.num_reqs = num_reqs
+        self.verifies = False  # the next step verifies drafts
+
+    def step(self, draft_seconds: float, draft_tokens: int, plain_seconds: float) -> bool:
+        """One decode step; a step verifying drafts takes ``draft_seconds`` and emits
+        ``draft_tokens`` per request, a plain one ``plain_seconds`` and 1. Returns whether the
+        drafter ran at its end."""
+        ctl, r = self.ctl, self.num_reqs
+        ctl.step_started(r, r * (1 + 4 * self.verifies), True, self.verifies)
+        ctl.tokens_emitted(r * (draft_tokens if self.verifies else 1))
+        self.clock[0] += draft_seconds if self.verifies else plain_seconds
+        ran = ctl.drafting(r)
+        ctl.drafts_sent([4] * r if ran else [], [4] * r if ran else [0] * r)
+        self.verifies = ran
+        return ran
+
+
+def test_a_drafter_slower_than_plain_decoding_is_paused_whatever_the_model_says(monkeypatch):
+    """Drafting steps take 16 ms for 2.5 tokens (6.4 ms a token), plain ones 5 ms for 1: the
+    model says draft, the measurements say no. The bucket first explores plain decoding
+    (EXPLORE_AFTER drafting steps, then a pause of FIRST_PAUSE), then the measured rates pause
+    it: after that, the drafter runs only in probes."""
+    assert MIN_MEASURED <= FIRST_PAUSE - 2  # a pause measures enough plain steps
+    engine = Engine(monkeypatch)
+    ran = [engine.step(0.016, 2.5, 0.005) for _ in range(400)]
+    first_off = ran.index(False)
+    # the first drafting step is a transition (no verify yet), then EXPLORE_AFTER measured
+    # ones; a step's measurement lands when the next step starts
+    assert first_off == EXPLORE_AFTER + 2
+    assert ran[first_off:first_off + FIRST_PAUSE] == [False] * FIRST_PAUSE
+    # PAUSE_AFTER "no"s with a falling rate of "draft" answers pause it, then single probes
+    # after doubling pauses (8, 16, 32, ... steps)
+    after = ran[first_off + FIRST_PAUSE:]
+    assert sum(after[:10]) <= 5 and sum(after[100:]) <= 2
+    summary = engine.ctl.summary()
+    measured = summary["measured_tokens_per_s"]
+    assert measured["1-1 requests, drafting"] == pytest.approx(2.5 / 0.016, rel=0.01)
+    assert measured["1-1 requests, plain"] == pytest.approx(1 / 0.005, rel=0.01)
+
+
+def test_a_drafter_faster_than_plain_decoding_keeps_drafting(monkeypatch):
+    """Drafting steps: 10 ms for 3 tokens (3.3 ms a token), plain: 5 ms a token. After the one
+    exploration pause, the drafter runs every step."""
+    engine = Engine(monkeypatch)
+    ran = [engine.step(0.010, 3, 0.005) for _ in range(300)]
+    assert ran.count(False) == FIRST_PAUSE
+    assert all(ran[EXPLORE_AFTER + 2 + FIRST_PAUSE:])
+    measured = engine.ctl.summary()["measured_tokens_per_s"]
+    assert measured["1-1 requests, drafting"] > measured["1-1 requests, plain"]
+
+
+def test_transition_and_prefill_steps_are_not_measured(monkeypatch):
+    engine = Engine(monkeypatch)
+    ctl = engine.ctl
+    ctl.step_started(1, 64, False, False)  # a prefill
+    ctl.tokens_emitted(1)
+    engine.clock[0] += 0.5
+    ctl.drafting(1)
+    ctl.drafts_sent([4], [4])  # the drafter ran: the next step verifies
+    engine.verifies = True
+    engine.step(0.010, 3, 0.005)  # verify + draft: the first measured step
+    assert ctl._measured == {}  # the prefill step was not measured
+    engine.step(0.010, 3, 0.005)
+    assert ctl._measured[(1, True)].steps == 1
+    ctl._drafting_now = False  # the drafter paused at the end of a verify step: a transition
+    ctl.step_started(1, 1, True, False)
+    assert ctl._measured[(1, True)].steps == 1 and (1, False) not in ctl._measured

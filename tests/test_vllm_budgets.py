@@ -121,9 +121,9 @@ def drafter_context(llm) -> dict[str, tuple[torch.Tensor, torch.Tensor, int, int
 
 def test_a_paused_drafter_keeps_its_context(baseline, synthetic_auto):
     """While auto pauses the drafter (drafting never pays here), only the drafter's context
-    pass runs, and it leaves the drafter's cache exactly as a drafter that drafts every step
-    leaves it: the context K/V of every committed position equal (so drafting can resume with
-    the same trees). Without the context pass (a mutant) the generated positions differ: this
+    pass runs (deferred: flushed before the next query pass), and it leaves the drafter's cache
+    exactly as a drafter that drafts every step leaves it: the context K/V of every committed
+    position equal (so drafting can resume with the same trees). Without the context pass (a mutant) the generated positions differ: this
     test can fail. Outputs stay those of plain decoding."""
     use, steps = synthetic_auto
 
@@ -138,6 +138,9 @@ def test_a_paused_drafter_keeps_its_context(baseline, synthetic_auto):
         for _ in range(30):
             for out in engine.step():
                 outputs[out.request_id] = out
+        drafter = _runner(llm).drafter
+        kept = drafter._kept_rows
+        drafter.flush_context()  # what the next drafting step does before its query pass
         context = drafter_context(llm)
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -146,19 +149,22 @@ def test_a_paused_drafter_keeps_its_context(baseline, synthetic_auto):
         num_drafts = spec_metrics(llm).get("vllm:spec_decode_num_drafts", 0)
         del engine
         close(llm)
-        return context, ids, num_drafts
+        return context, ids, num_drafts, kept
 
-    reference, ids, num_drafts = context_after_steps(ddtree_spec(16))
-    assert ids == baseline and num_drafts > 0
+    reference, ids, num_drafts, kept = context_after_steps(ddtree_spec(16))
+    assert ids == baseline and num_drafts > 0 and kept == 0
     use(NEVER_COST)
     steps.clear()
-    paused, ids, num_drafts = context_after_steps(ddtree_spec(16, ddtree_budget_policy="auto"))
+    paused, ids, num_drafts, kept = context_after_steps(
+        ddtree_spec(16, ddtree_budget_policy="auto"))
     assert ids == baseline
+    # a paused drafter defers its context pass: step 30 is in the pause of 16 steps
+    assert not steps[29][0] and kept > 0
     assert num_drafts == 0  # no verify step: every step after prefill was plain decoding
     # PAUSE_AFTER (2) proposal steps before the first pause, then probes after pauses of 8
     # and 16 steps
     assert sum(drafted for drafted, _ in steps) <= 4 < len(steps), steps
-    holed, _, _ = context_after_steps(ddtree_spec(16, ddtree_budget_policy="auto"), mutant=True)
+    holed, _, _, _ = context_after_steps(ddtree_spec(16, ddtree_budget_policy="auto"), mutant=True)
     for req_id, (k, v, committed, prompt) in reference.items():
         n = min(committed, paused[req_id][2], holed[req_id][2]) - 1
         assert n > prompt + 10  # generated positions are compared

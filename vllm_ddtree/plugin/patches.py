@@ -19,7 +19,8 @@ must exist with the parameters it expects.
    Triton kernels (engine start, not mid-serving).
 6. ``GPUModelRunner._prepare_inputs``: build the verify trees; depth positions in place.
 7. ``GPUModelRunner._sample``: after the walk, compact the accepted path's K/V; a step without
-   drafts samples with vLLM's own sampler.
+   drafts samples with vLLM's own sampler. ``GPUModelRunner.sample_tokens``: the step's emitted
+   token count (vLLM's host lists) goes to the "auto" policy's measured rates.
 8. ``GPUModelRunner._input_fits_in_drafter``: the drafter needs depth + 1 slots past the
    committed tokens, not budget + 1 past every verified node.
 8b. ``GPUModelRunner.take_draft_token_ids``: each request sends only its real nodes (its
@@ -100,6 +101,7 @@ def install() -> None:
     prepare_inputs = _require(GPUModelRunner, "_prepare_inputs",
                               ("scheduler_output", "num_scheduled_tokens"))
     sample = _require(GPUModelRunner, "_sample", ("logits", "spec_decode_metadata"))
+    sample_tokens = _require(GPUModelRunner, "sample_tokens", ("grammar_output",))
     fits = _require(GPUModelRunner, "_input_fits_in_drafter", ("common_attn_metadata",))
     take_drafts = _require(GPUModelRunner, "take_draft_token_ids")
     propose = _require(GPUModelRunner, "propose_draft_token_ids",
@@ -119,6 +121,7 @@ def install() -> None:
     GPUModelRunner.initialize_kv_cache = _wrap_initialize_kv_cache(init_kv_cache)
     GPUModelRunner._prepare_inputs = _wrap_prepare_inputs(prepare_inputs)
     GPUModelRunner._sample = _wrap_sample(sample)
+    GPUModelRunner.sample_tokens = _wrap_sample_tokens(sample_tokens)
     GPUModelRunner._input_fits_in_drafter = _wrap_input_fits_in_drafter(fits)
     GPUModelRunner.take_draft_token_ids = _wrap_take_draft_token_ids(take_drafts)
     GPUModelRunner.propose_draft_token_ids = _wrap_propose_draft_token_ids(propose)
@@ -473,12 +476,13 @@ def _wrap_prepare_inputs(original):
         if not any(num_draft):
             # No request has drafts (the policy paused the drafter, requests at their end,
             # prefill): nothing to verify, the step samples like plain decoding (see _sample).
-            state.budgets.step_started(num_reqs, num_tokens, num_tokens == num_reqs)
+            state.budgets.step_started(num_reqs, num_tokens, num_tokens == num_reqs, False)
             state.end_step_without_verify()
             return result
         num_draft = list(num_draft)
         # a decode-only step: every request runs its last token and its drafts (no prefill)
-        state.budgets.step_started(num_reqs, num_tokens, num_tokens == num_reqs + sum(num_draft))
+        state.budgets.step_started(num_reqs, num_tokens, num_tokens == num_reqs + sum(num_draft),
+                                   True)
         starts = [0]
         for n in num_scheduled_tokens[: num_reqs - 1].tolist():
             starts.append(starts[-1] + int(n))
@@ -535,6 +539,19 @@ def _wrap_sample(original):
     return _sample
 
 
+def _wrap_sample_tokens(original):
+    @functools.wraps(original)
+    def sample_tokens(self, *args, **kwargs):
+        output = original(self, *args, **kwargs)
+        state = getattr(self, "ddtree_state", None)
+        sampled = getattr(output, "sampled_token_ids", None)
+        if state is not None and isinstance(sampled, list):  # async scheduling is refused
+            state.budgets.tokens_emitted(sum(len(ids) for ids in sampled))
+        return output
+
+    return sample_tokens
+
+
 def _wrap_input_fits_in_drafter(original):
     @functools.wraps(original)
     def _input_fits_in_drafter(self, common_attn_metadata):
@@ -589,18 +606,21 @@ def _wrap_propose_draft_token_ids(original):
                                 hidden_states, sample_hidden_states, aux_hidden_states,
                                 *args, **kwargs):
         state = getattr(self, "ddtree_state", None)
-        if state is None or state.budgets.drafting(self.input_batch.num_reqs):
+        if state is None:
+            return original(self, scheduler_output, sampled_token_ids, sampling_metadata,
+                            hidden_states, sample_hidden_states, aux_hidden_states,
+                            *args, **kwargs)
+        if state.budgets.drafting(self.input_batch.num_reqs):
+            self.drafter.flush_context()  # paused steps' context first: chronological writes
             return original(self, scheduler_output, sampled_token_ids, sampling_metadata,
                             hidden_states, sample_hidden_states, aux_hidden_states,
                             *args, **kwargs)
         import torch
 
         num_tokens = scheduler_output.total_num_scheduled_tokens
-        if self.use_aux_hidden_state_outputs:
-            target_hidden_states = torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)
-        else:
-            target_hidden_states = hidden_states[:num_tokens]
-        self.drafter.store_context(target_hidden_states, num_tokens)
+        # a new tensor (the aux outputs are the model's buffers): the drafter may keep it
+        self.drafter.store_context(torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1),
+                                   num_tokens)
         return [[] for _ in self.input_batch.req_ids]  # no drafts: a list needs no copy
 
     return propose_draft_token_ids

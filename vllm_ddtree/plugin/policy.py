@@ -16,8 +16,8 @@ step is a plain decoding step. This stays correct because verification never dep
 drafter (no drafts: vLLM's own sampler), and the drafter's cache stays complete, so when
 drafting resumes its context is exactly the committed text.
 
-"auto" pauses the drafter when even its best tree does not beat plain decoding in
-``PAUSE_AFTER`` consecutive steps while drafting has mostly not paid lately in this regime (a
+"auto" pauses the drafter when even its best tree does not beat plain decoding (by the model, or
+by the measured rates below) in ``PAUSE_AFTER`` consecutive steps while drafting has mostly not paid lately in this regime (a
 running rate of "draft" answers below one half: a few unsure trees, as at the start of a
 generation, do not switch off a drafter that pays), and probes again after a pause that doubles each time the probe's answer
 stays the same (8 steps, then 16, ... up to 256), per batch-size bucket (R's power of two): a
@@ -27,6 +27,18 @@ cost model's prediction for what the step did (drafter on, or paused); the runni
 measurement cannot see (the CPU backend's tree attention, the sampler's rows) are learned. One
 observation moves a ratio by at most ``SCALE_EMA`` of a factor of 2 (a page fault or another
 process's burst must not switch the drafter off).
+
+Measured rates: the model sizes the trees, but whether drafting pays at all is also checked
+against what the engine actually got. Per batch bucket, decode steps that verified drafts and
+drafted again ("drafting" steps) and steps that did neither ("plain" steps) each keep running
+averages (weight ``MEASURED_EMA``) of their wall time and of the tokens they emitted (vLLM's own
+host copy of the sampled tokens: no extra synchronisation). Once both kinds have
+``MIN_MEASURED`` steps, a drafting step answers "no" whenever drafting's measured tokens per
+second fall below plain decoding's, whatever the model said: a cost the model cannot see (the
+CPU's tree attention, an unlucky drafter on this traffic) cannot keep a losing drafter on.
+A bucket that has drafted ``EXPLORE_AFTER`` measured steps with no plain ones pauses once for
+``FIRST_PAUSE`` steps to measure them. Transition steps (verify without drafting, or the
+reverse) and steps with a prefill are not counted.
 """
 
 from __future__ import annotations
@@ -46,7 +58,29 @@ FIRST_PAUSE, MAX_PAUSE = 8, 256  # steps: auto's pause after a "do not draft" an
 PAUSE_AFTER = 2  # consecutive "do not draft" answers before the first pause of a bucket
 ANSWER_EMA = 0.2  # weight of each answer in a bucket's running rate of "draft" answers
 SCALE_EMA = 0.1  # weight of each new step-time observation in the online correction
+MEASURED_EMA = 0.1  # weight of each step in a bucket's measured drafting / plain rates
+MIN_MEASURED = 4  # steps of each kind before the measured rates can say "no"
+EXPLORE_AFTER = 16  # measured drafting steps after which a bucket with no plain ones pauses
 LOG_INTERVAL_S = 10.0  # the periodic log line (vLLM's stats interval)
+
+
+@dataclass
+class MeasuredRate:
+    """Running averages of one kind of step's wall time and emitted tokens (a plain mean over
+    the first ``1 / MEASURED_EMA`` steps, then exponential)."""
+
+    seconds: float = 0.0
+    tokens: float = 0.0
+    steps: int = 0
+
+    def add(self, seconds: float, tokens: int) -> None:
+        self.steps += 1
+        weight = max(1.0 / self.steps, MEASURED_EMA)
+        self.seconds += weight * (seconds - self.seconds)
+        self.tokens += weight * (tokens - self.tokens)
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
 
 
 @dataclass
@@ -76,7 +110,10 @@ class BudgetController:
         self._no_streak: dict[int, int] = {}  # batch bucket -> consecutive "do not draft"
         self._draft_rate: dict[int, float] = {}  # batch bucket -> running rate of "draft"
         self.on_scale = self.off_scale = 1.0
-        self._last: tuple[float, int, int] | None = None  # (start, R, tokens) of the step
+        # (start, R, tokens, verified drafts) of the step in flight
+        self._last: tuple[float, int, int, bool] | None = None
+        self._emitted: int | None = None  # tokens the step in flight emitted (sample_tokens)
+        self._measured: dict[tuple[int, bool], MeasuredRate] = {}  # (bucket, drafting) -> rate
         self._drafting_now = True
         self.stats = PolicyStats()
         self._totals = PolicyStats()
@@ -140,7 +177,7 @@ class BudgetController:
             stats.budgets[n] = stats.budgets.get(n, 0) + 1
         if self.name == "auto" and self._drafting_now:
             bucket = self._bucket(len(num_nodes))
-            paid = not budgeted or any(budgeted)
+            paid = (not budgeted or any(budgeted)) and self._measured_pays(bucket)
             rate = self._draft_rate.get(bucket, 0.5)
             rate = self._draft_rate[bucket] = rate + ANSWER_EMA * (float(paid) - rate)
             if not paid:  # the best tree did not pay
@@ -154,8 +191,26 @@ class BudgetController:
             else:
                 self._pause.pop(bucket, None)
                 self._no_streak[bucket] = 0
+                self._explore_plain(bucket)
         self.step += 1
         self._maybe_log()
+
+    def _measured_pays(self, bucket: int) -> bool:
+        """False when this bucket's measured drafting steps emit fewer tokens per second than
+        its plain steps (both kinds measured ``MIN_MEASURED`` times); True without evidence."""
+        on, off = self._measured.get((bucket, True)), self._measured.get((bucket, False))
+        if on is None or off is None or min(on.steps, off.steps) < MIN_MEASURED:
+            return True
+        return on.tokens_per_s() >= off.tokens_per_s()
+
+    def _explore_plain(self, bucket: int) -> None:
+        """Pause once for ``FIRST_PAUSE`` steps when drafting has been measured
+        ``EXPLORE_AFTER`` times here and plain decoding too rarely to compare."""
+        on, off = self._measured.get((bucket, True)), self._measured.get((bucket, False))
+        if (on is not None and on.steps >= EXPLORE_AFTER
+                and (off is None or off.steps < MIN_MEASURED)
+                and self._pause_until.get(bucket, 0) <= self.step):
+            self._pause_until[bucket] = self.step + 1 + FIRST_PAUSE
 
     # --- verification and step timing ------------------------------------------------------
 
@@ -168,17 +223,28 @@ class BudgetController:
             sampled = torch.zeros_like(matched)
         self.calibration.observe(tree.scores, tree.depths, num_accepted, matched, sampled)
 
-    def step_started(self, num_reqs: int, num_tokens: int, decode_only: bool) -> None:
-        """Called at the start of every step: the time since the previous step's start is that
-        step's cost (its verify forward over its tokens, then the drafter if it ran at its
-        end: ``_drafting_now`` still holds that decision); compare it with the model (auto)."""
+    def tokens_emitted(self, num_tokens: int) -> None:
+        """The tokens the step in flight emitted, all requests together (from vLLM's host
+        copy of the sampled tokens)."""
+        self._emitted = num_tokens
+
+    def step_started(self, num_reqs: int, num_tokens: int, decode_only: bool,
+                     verified: bool) -> None:
+        """Called at the start of every step (``verified``: whether it verifies drafts): the
+        time since the previous step's start is that step's cost (its verify forward over its
+        tokens, then the drafter if it ran at its end: ``_drafting_now`` still holds that
+        decision); compare it with the model (auto), and fold it into the measured rates."""
         now = time.perf_counter()
-        last, self._last = self._last, (now, num_reqs, num_tokens)
+        last, self._last = self._last, (now, num_reqs, num_tokens, verified)
+        emitted, self._emitted = self._emitted, None
         if self.cost is None or last is None or not decode_only:
             if not decode_only:
                 self._last = None  # a prefill step's time says nothing about decode costs
             return
-        start, reqs, tokens = last
+        start, reqs, tokens, last_verified = last
+        if emitted is not None and last_verified == self._drafting_now:
+            rate = self._measured.setdefault((self._bucket(reqs), last_verified), MeasuredRate())
+            rate.add(now - start, emitted)
         predicted = self.cost.verify_time_host(tokens)
         if self._drafting_now:
             predicted += self.cost.draft_time(reqs)
@@ -203,6 +269,10 @@ class BudgetController:
             out["calibration_greedy"] = [round(float(c), 3) for c in factors[0]]
             out["calibration_sampled"] = [round(float(c), 3) for c in factors[1]]
             out["on_scale"], out["off_scale"] = round(self.on_scale, 3), round(self.off_scale, 3)
+            out["measured_tokens_per_s"] = {
+                f"{1 << (bucket - 1)}-{(1 << bucket) - 1} requests, "
+                f"{'drafting' if drafting else 'plain'}": round(rate.tokens_per_s(), 1)
+                for (bucket, drafting), rate in sorted(self._measured.items())}
         return out
 
     def _merged(self) -> PolicyStats:
@@ -223,7 +293,7 @@ class BudgetController:
         if self.calibration is not None:
             extra = (f", calibration per depth {s['calibration_greedy']} (greedy) "
                      f"{s['calibration_sampled']} (sampled), cost scales on {s['on_scale']} "
-                     f"off {s['off_scale']}")
+                     f"off {s['off_scale']}, measured tokens/s {s['measured_tokens_per_s']}")
         logger.info("ddtree %s budgets: %.1f nodes per request per step over %d steps, drafter "
                     "on in %.0f%% of them%s", s["policy"], s["mean_nodes_per_request_step"],
                     s["steps"], 100 * s["drafter_on_fraction"], extra)

@@ -40,6 +40,9 @@ class DDTreeProposer(DFlashProposer):
         self._pending_tree: DraftTree | None = None
         self._pending_probs: torch.Tensor | None = None
         self._pending_budget = state.budget  # this step's build_tree budget (policy)
+        # paused steps' context rows (hidden, chain positions, slots), see store_context
+        self._kept_context: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._kept_rows = 0
 
     def propose(self, num_speculative_tokens, **kwargs) -> torch.Tensor:
         """Draft one tree per request; returns ``[R, B]`` node tokens in best-first order.
@@ -74,18 +77,39 @@ class DDTreeProposer(DFlashProposer):
         preparation) keeps the cache complete, so drafting can resume any step later with the
         same context it would have had.
 
+        The pass is deferred: the step's rows, positions and slots are kept, and
+        :meth:`flush_context` writes every kept step in one pass, before the drafter's next
+        query pass (or once ``max_num_tokens`` rows are kept). Nothing reads the drafter's cache
+        in between, and the writes keep their order (a slot freed by a finished request and
+        given to another is written by the later step last), so the cache the query pass reads
+        is the one that writing each step at once would have left. One pass over many steps'
+        rows costs about what one step's does: a paused drafter costs a copy per step.
+
         Args:
             target_hidden_states: ``[>= num_tokens, n_aux * H]`` concatenated auxiliary hidden
-                states of the step's rows (the target's outputs, as vLLM hands the drafter).
+                states of the step's rows, a tensor of the step's own (kept until the flush).
         """
         state = self.ddtree_state
-        hidden = self.model.combine_hidden_states(target_hidden_states[:num_tokens])
+        hidden = target_hidden_states[:num_tokens]
         gather = state.take_gather_index(num_tokens)
         if gather is not None:  # after a tree verify step: accepted rows to chain rows
             hidden = hidden.index_select(0, gather)
         slots = self._runner.input_batch.block_table[self.kv_cache_gid].slot_mapping.gpu
+        self._kept_context.append(
+            (hidden, state.chain_positions[:num_tokens], slots[:num_tokens].clone()))
+        self._kept_rows += num_tokens
+        if self._kept_rows >= self._runner.max_num_tokens:
+            self.flush_context()
+
+    def flush_context(self) -> None:
+        """Write the kept context rows of paused steps into the drafter's cache, in order."""
+        if not self._kept_context:
+            return
+        hidden, positions, slots = (torch.cat(parts) for parts in zip(*self._kept_context))
+        self._kept_context.clear()
+        self._kept_rows = 0
         self.model.precompute_and_store_context_kv(
-            hidden, state.chain_positions[:num_tokens], slots[:num_tokens])
+            self.model.combine_hidden_states(hidden), positions, slots)
 
     def set_inputs_first_pass(
         self,
