@@ -5,10 +5,19 @@ Configurations: plain decoding, vLLM's own DFlash chain (L drafts), ddtree with 
 B in ``--budgets``, ddtree with ``ddtree_budget_policy: "auto"`` (maximum budget = the
 largest B), and ``ddtree_paused`` (the table ``[[1, 0]]``: the drafter never drafts), the floor
 of any budget policy inside vLLM's speculative engine: its steps carry the speculative
-bookkeeping and the drafter's context pass, which plain decoding does not. Each runs at every concurrency in ``--concurrency``: that many requests of
-``--max-tokens`` output tokens each (``ignore_eos``), all submitted at once; tokens/s = all
-output tokens / wall time, median of ``--repeats`` runs after one warm-up run. One engine per
-configuration (reused across concurrencies), started one after the other in this process.
+bookkeeping and the drafter's context pass, which plain decoding does not.
+
+Workload: at concurrency c, the ``--num-prompts`` held-out prompts run in waves of c requests
+(one ``generate`` call each, all submitted at once, ``--max-tokens`` output tokens each with
+``ignore_eos``), so every concurrency does the same work over the same prompts; tokens/s = all
+output tokens / wall time.
+
+Side by side: every configuration's engine is started first and they stay up together; then
+one warm-up round and ``--repeats`` timed rounds, each running every configuration at every
+concurrency, the configurations in a rotated order each round. A drift of the machine's speed
+(another tenant of a shared box) then hits every configuration alike; each cell is the median
+of its rounds. On a GPU the engines share its memory (``--gpu-memory-utilization`` split between
+them): with a large model, pick fewer configurations with ``--only``.
 
 Prints a table (tokens/s and the ratio to the best configuration at each concurrency), writes
 JSON (with the machine, versions and this command) and a PNG to benchmarks/results/. The same
@@ -18,7 +27,8 @@ plugin's CUDA path needs VLLM_DDTREE_EXPERIMENTAL_CUDA=1).
 Usage::
 
     .venv/bin/python benchmarks/budget_policy.py                      # the tiny pair, CPU
-    .venv/bin/python benchmarks/budget_policy.py --concurrency 1 --repeats 1 --max-tokens 16
+    .venv/bin/python benchmarks/budget_policy.py --concurrency 1 --repeats 1 --num-prompts 4 \
+        --max-tokens 16 --only plain ddtree_auto
 """
 
 from __future__ import annotations
@@ -44,12 +54,18 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--budgets", type=int, nargs="+", default=[4, 16, 64])
+    p.add_argument("--num-prompts", type=int, default=32,
+                   help="requests per round at every concurrency (in waves of c)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--only", nargs="+", default=None,
                    help="configuration names to run (plain, dflash, ddtree_B<b>, ddtree_auto, ddtree_paused)")
     p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                   help="GPU: the share of its memory for all engines together")
+    p.add_argument("--cpu-kv-cache-gib", type=float, default=0.25,
+                   help="CPU: K/V cache per engine")
     p.add_argument("--enforce-eager", action="store_true",
                    help="default: eager on the CPU, CUDA graphs on a GPU")
     p.add_argument("--out", default=None, help="JSON path (default: budget_policy_<device>.json)")
@@ -108,58 +124,80 @@ def ddtree_auto_stats(llm) -> dict | None:
     return None if controller is None else controller.summary()
 
 
-def run_config(args, name: str, spec: dict | None, prompts: list[dict]) -> dict:
+def start_engine(args, spec: dict | None, num_engines: int):
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
-    top = max(args.concurrency)
     budget = (spec or {}).get("num_speculative_tokens", 0)
-    llm = LLM(
+    top = max(args.concurrency)
+    memory = ({"gpu_memory_utilization": args.gpu_memory_utilization / num_engines}
+              if torch.cuda.is_available()
+              else {"kv_cache_memory_bytes": int(args.cpu_kv_cache_gib * (1 << 30))})
+    return LLM(
         model=args.target,
         speculative_config=spec,
         dtype=args.dtype,
         enforce_eager=args.enforce_eager or not torch.cuda.is_available(),
-        gpu_memory_utilization=0.3 if not torch.cuda.is_available() else 0.85,
         max_model_len=args.max_model_len,
         max_num_seqs=top,
         max_num_batched_tokens=max(2048, top * (budget + 16)),
         seed=0,
         disable_log_stats=False,
+        **memory,
     )
+
+
+def timed_round(args, llm, prompts: list[dict], concurrency: int) -> float:
+    """Seconds to run every prompt, in waves of ``concurrency`` requests."""
+    from vllm import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    result = {"name": name, "speculative_config": spec, "tokens_per_s": {}, "runs_s": {}}
-    for concurrency in args.concurrency:
-        batch = prompts[:concurrency]
-        llm.generate(batch, params, use_tqdm=False)  # warm-up
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            outs = llm.generate(batch, params, use_tqdm=False)
-            times.append(time.perf_counter() - start)
-            assert all(len(o.outputs[0].token_ids) == args.max_tokens for o in outs)
-        tokens = concurrency * args.max_tokens
-        result["runs_s"][concurrency] = times
-        result["tokens_per_s"][concurrency] = tokens / statistics.median(times)
-        print(f"  {name:12s} c={concurrency:3d}: {result['tokens_per_s'][concurrency]:9.1f} tok/s "
-              f"(runs {', '.join(f'{t:.2f}' for t in times)} s)", flush=True)
+    start = time.perf_counter()
+    for i in range(0, len(prompts), concurrency):
+        outs = llm.generate(prompts[i:i + concurrency], params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == args.max_tokens for o in outs)
+    return time.perf_counter() - start
+
+
+def engine_summary(llm) -> dict:
+    """Acceptance from vLLM's metrics, and the auto policy's own summary."""
+    out = {}
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
                if m.name.startswith("vllm:spec_decode_num")}
     drafts = metrics.get("vllm:spec_decode_num_drafts") or 0
     if drafts:
-        result["mean_acceptance_length"] = 1 + metrics["vllm:spec_decode_num_accepted_tokens"] / drafts
-        result["mean_nodes_per_draft"] = metrics["vllm:spec_decode_num_draft_tokens"] / drafts
+        out["mean_acceptance_length"] = 1 + metrics["vllm:spec_decode_num_accepted_tokens"] / drafts
+        out["mean_nodes_per_draft"] = metrics["vllm:spec_decode_num_draft_tokens"] / drafts
     auto = ddtree_auto_stats(llm)
     if auto is not None:
-        result["auto"] = auto
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    import gc
+        out["auto"] = auto
+    return out
 
-    gc.collect()
-    from vllm.distributed import cleanup_dist_env_and_memory
 
-    cleanup_dist_env_and_memory()
-    return result
+def run_all(args, configs: list[tuple[str, dict | None]], prompts: list[dict]) -> list[dict]:
+    """Every engine up at once, then a warm-up round and ``args.repeats`` rotated rounds."""
+    engines = [start_engine(args, spec, len(configs)) for _, spec in configs]
+    times = {(name, c): [] for name, _ in configs for c in args.concurrency}
+    for round_ in range(args.repeats + 1):
+        shift = round_ % len(configs)
+        for (name, _), llm in list(zip(configs, engines))[shift:] + list(zip(configs, engines))[:shift]:
+            for c in args.concurrency:
+                seconds = timed_round(args, llm, prompts, c)
+                if round_ > 0:  # round 0 warms every engine up at every batch size
+                    times[name, c].append(seconds)
+                    print(f"  round {round_} {name:14s} c={c:3d}: {seconds:6.2f} s", flush=True)
+    tokens = len(prompts) * args.max_tokens
+    rows = []
+    for (name, spec), llm in zip(configs, engines):
+        row = {"name": name, "speculative_config": spec,
+               "tokens_per_s": {c: tokens / statistics.median(times[name, c])
+                                for c in args.concurrency},
+               "runs_s": {c: times[name, c] for c in args.concurrency}}
+        row.update(engine_summary(llm))
+        rows.append(row)
+    for llm in engines:
+        llm.llm_engine.engine_core.shutdown()
+    return rows
 
 
 def plot(rows: list[dict], concurrency: list[int], path: str, title: str) -> None:
@@ -189,11 +227,10 @@ def main(argv=None) -> None:
     with open(os.path.join(args.drafter, "config.json")) as f:
         drafter = json.load(f)
     block_size = (drafter.get("dflash_config") or {}).get("block_size") or drafter["block_size"]
-    prompts = prompts_for(args, max(args.concurrency))
+    prompts = prompts_for(args, args.num_prompts)
     device = device_name()
     print(f"device: {device}; {len(prompts)} prompts x {args.max_tokens} tokens, T=0", flush=True)
-    rows = [run_config(args, name, spec, prompts)
-            for name, spec in configurations(args, block_size - 1)]
+    rows = run_all(args, configurations(args, block_size - 1), prompts)
     import torch
     import vllm
 
