@@ -29,16 +29,19 @@ observation moves a ratio by at most ``SCALE_EMA`` of a factor of 2 (a page faul
 process's burst must not switch the drafter off).
 
 Measured rates: the model sizes the trees, but whether drafting pays at all is also checked
-against what the engine actually got. Per batch bucket, decode steps that verified drafts and
-drafted again ("drafting" steps) and steps that did neither ("plain" steps) each keep running
-averages (weight ``MEASURED_EMA``) of their wall time and of the tokens they emitted (vLLM's own
-host copy of the sampled tokens: no extra synchronisation). Once both kinds have
-``MIN_MEASURED`` steps, a drafting step answers "no" whenever drafting's measured tokens per
-second fall below plain decoding's, whatever the model said: a cost the model cannot see (the
-CPU's tree attention, an unlucky drafter on this traffic) cannot keep a losing drafter on.
-A bucket that has drafted ``EXPLORE_AFTER`` measured steps with no plain ones pauses once for
-``FIRST_PAUSE`` steps to measure them. Transition steps (verify without drafting, or the
-reverse) and steps with a prefill are not counted.
+against what the engine actually got. Per batch bucket, decode steps that verified drafts
+("drafting" steps) and steps that neither verified nor drafted ("plain" steps) each keep
+running averages (weight ``MEASURED_EMA``) of their wall time and of the tokens they emitted
+(vLLM's own host copy of the sampled tokens: no extra synchronisation). A step that verifies
+drafts but does not draft again (a probe answered "no") counts as drafting, with the model's
+drafter time added, so every probe refreshes the drafting rate and a drafter that became
+faster than plain decoding is found again. Once both kinds have ``MIN_MEASURED`` steps, a
+drafting step answers "no" whenever drafting's measured tokens per second fall below plain
+decoding's, whatever the model said: a cost the model cannot see (the CPU's tree attention, an
+unlucky drafter on this traffic) cannot keep a losing drafter on. A bucket that has drafted
+``EXPLORE_AFTER`` measured steps with no plain ones pauses once for ``FIRST_PAUSE`` steps to
+measure them. Steps that draft without verifying (the first of a probe) and steps with a
+prefill are not counted.
 """
 
 from __future__ import annotations
@@ -242,9 +245,12 @@ class BudgetController:
                 self._last = None  # a prefill step's time says nothing about decode costs
             return
         start, reqs, tokens, last_verified = last
-        if emitted is not None and last_verified == self._drafting_now:
+        if emitted is not None and (last_verified or not self._drafting_now):
+            seconds = now - start
+            if last_verified and not self._drafting_now:  # a probe answered "no": its verify
+                seconds += self.cost.draft_time(reqs)  # counts, with the drafter it skipped
             rate = self._measured.setdefault((self._bucket(reqs), last_verified), MeasuredRate())
-            rate.add(now - start, emitted)
+            rate.add(seconds, emitted)
         predicted = self.cost.verify_time_host(tokens)
         if self._drafting_now:
             predicted += self.cost.draft_time(reqs)
