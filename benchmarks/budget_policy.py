@@ -178,9 +178,10 @@ def run_all(args, configs: list[tuple[str, dict | None]], prompts: list[dict]) -
     """Every engine up at once, then a warm-up round and ``args.repeats`` rotated rounds."""
     engines = [start_engine(args, spec, len(configs)) for _, spec in configs]
     times = {(name, c): [] for name, _ in configs for c in args.concurrency}
+    pairs = list(zip(configs, engines))
     for round_ in range(args.repeats + 1):
-        shift = round_ % len(configs)
-        for (name, _), llm in list(zip(configs, engines))[shift:] + list(zip(configs, engines))[:shift]:
+        shift = round_ % len(pairs)
+        for (name, _), llm in pairs[shift:] + pairs[:shift]:
             for c in args.concurrency:
                 seconds = timed_round(args, llm, prompts, c)
                 if round_ > 0:  # round 0 warms every engine up at every batch size

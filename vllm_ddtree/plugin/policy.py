@@ -17,12 +17,13 @@ drafter (no drafts: vLLM's own sampler), and the drafter's cache stays complete,
 drafting resumes its context is exactly the committed text.
 
 "auto" pauses the drafter when even its best tree does not beat plain decoding (by the model, or
-by the measured rates below) in ``PAUSE_AFTER`` consecutive steps while drafting has mostly not paid lately in this regime (a
-running rate of "draft" answers below one half: a few unsure trees, as at the start of a
-generation, do not switch off a drafter that pays), and probes again after a pause that doubles each time the probe's answer
-stays the same (8 steps, then 16, ... up to 256), per batch-size bucket (R's power of two): a
-new regime of traffic gets its own answer. Online correction: the wall time between consecutive decode steps is compared with the
-cost model's prediction for what the step did (drafter on, or paused); the running ratios
+by the measured rates below) in ``PAUSE_AFTER`` consecutive steps while drafting has mostly not
+paid lately in this regime (a running rate of "draft" answers below one half: a few unsure
+trees, as at the start of a generation, do not switch off a drafter that pays), and probes again
+after a pause that doubles each time the probe's answer stays the same (8 steps, then 16, ... up
+to 256), per batch-size bucket (R's power of two): a new regime of traffic gets its own answer.
+Online correction: the wall time between consecutive decode steps is compared with the cost
+model's prediction for what the step did (drafter on, or paused); the running ratios
 (``on_scale``, ``off_scale``) rescale the two sides of the comparison, so costs the start-up
 measurement cannot see (the CPU backend's tree attention, the sampler's rows) are learned. One
 observation moves a ratio by at most ``SCALE_EMA`` of a factor of 2 (a page fault or another
