@@ -88,7 +88,10 @@ def test_table_policy_is_identical_and_pauses_large_batches(baseline):
     llm = make_llm(ddtree_spec(16, ddtree_budget_policy=[[2, 16], [256, 0]]), **ENGINE)
     assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == baseline
     assert spec_metrics(llm).get("vllm:spec_decode_num_drafts", 0) == 0  # 6 at once: none
+    drafter = _runner(llm).drafter
+    assert drafter._kept_rows > 0  # the paused steps' context waits for the next query pass
     assert _token_ids(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)) == baseline[:2]
+    assert drafter._kept_rows == 0  # written when the drafter ran again
     metrics = spec_metrics(llm)
     assert metrics["vllm:spec_decode_num_drafts"] > 0
     assert mean_acceptance_length(metrics) > 1.3

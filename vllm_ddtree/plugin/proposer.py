@@ -51,6 +51,7 @@ class DDTreeProposer(DFlashProposer):
         gives no request any node do not come here (see :meth:`store_context`).
         """
         state = self.ddtree_state
+        self.flush_context()  # paused steps' context first, then this step's: in order
         num_reqs = kwargs["next_token_ids"].shape[0]
         sampling = sampling_batch(kwargs["sampling_metadata"])
         self._pending_budget = state.budgets.budget(
@@ -78,8 +79,8 @@ class DDTreeProposer(DFlashProposer):
         same context it would have had.
 
         The pass is deferred: the step's rows, positions and slots are kept, and
-        :meth:`flush_context` writes every kept step in one pass, before the drafter's next
-        query pass (or once ``max_num_tokens`` rows are kept). Nothing reads the drafter's cache
+        :meth:`flush_context` writes every kept step in one pass when :meth:`propose` next runs
+        the drafter (or once ``max_num_tokens`` rows are kept). Nothing reads the drafter's cache
         in between, and the writes keep their order (a slot freed by a finished request and
         given to another is written by the later step last), so the cache the query pass reads
         is the one that writing each step at once would have left. One pass over many steps'
