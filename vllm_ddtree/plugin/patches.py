@@ -18,6 +18,8 @@ must exist with the parameters it expects.
    compute (``support.py``), build the K/V compactor once the caches exist and compile the
    Triton kernels (engine start, not mid-serving).
 6. ``GPUModelRunner._prepare_inputs``: build the verify trees; depth positions in place.
+6b. ``GPUModelRunner._calc_spec_decode_metadata``: a step in which no request has drafts gets
+   the same metadata from a few constant tensors (a paused drafter pays near nothing for it).
 7. ``GPUModelRunner._sample``: after the walk, compact the accepted path's K/V; a step without
    drafts samples with vLLM's own sampler. ``GPUModelRunner.sample_tokens``: the step's emitted
    token count (vLLM's host lists) goes to the "auto" policy's measured rates.
@@ -27,7 +29,8 @@ must exist with the parameters it expects.
    budget), and near ``max_tokens`` / ``max_model_len`` only those that can still be accepted.
 8c. ``GPUModelRunner.propose_draft_token_ids``: a step in which the budget policy drafts
    nothing runs only the drafter's context pass (``DDTreeProposer.store_context``) and sends
-   empty drafts, skipping vLLM's drafter input preparation.
+   empty drafts, skipping vLLM's drafter input preparation; ``take_draft_token_ids`` then
+   sends none.
 8d. ``Worker.compile_or_warm_up_model`` (GPU and CPU workers): after vLLM's warm-up, the
    "auto" budget policy measures the step costs of this engine (``costs.py``).
 9. ``CPU_ATTN`` and ``TRITON_ATTN`` backend overrides: tree attention on the CPU and on CUDA
@@ -106,6 +109,8 @@ def install() -> None:
     take_drafts = _require(GPUModelRunner, "take_draft_token_ids")
     propose = _require(GPUModelRunner, "propose_draft_token_ids",
                        ("scheduler_output", "hidden_states", "aux_hidden_states"))
+    spec_metadata = _require(GPUModelRunner, "_calc_spec_decode_metadata",
+                             ("num_draft_tokens", "cu_num_scheduled_tokens"))
     from vllm.v1.worker.cpu_worker import CPUWorker
     from vllm.v1.worker.gpu_worker import Worker
 
@@ -120,6 +125,7 @@ def install() -> None:
     GPUModelRunner.__init__ = _wrap_runner_init(runner_init)
     GPUModelRunner.initialize_kv_cache = _wrap_initialize_kv_cache(init_kv_cache)
     GPUModelRunner._prepare_inputs = _wrap_prepare_inputs(prepare_inputs)
+    GPUModelRunner._calc_spec_decode_metadata = _wrap_calc_spec_decode_metadata(spec_metadata)
     GPUModelRunner._sample = _wrap_sample(sample)
     GPUModelRunner.sample_tokens = _wrap_sample_tokens(sample_tokens)
     GPUModelRunner._input_fits_in_drafter = _wrap_input_fits_in_drafter(fits)
@@ -509,6 +515,33 @@ def _wrap_prepare_inputs(original):
     return _prepare_inputs
 
 
+def _wrap_calc_spec_decode_metadata(original):
+    @functools.wraps(original)
+    def _calc_spec_decode_metadata(self, num_draft_tokens, cu_num_scheduled_tokens):
+        if getattr(self, "ddtree_state", None) is None or num_draft_tokens.any():
+            return original(self, num_draft_tokens, cu_num_scheduled_tokens)
+        # No request has drafts (a paused drafter): what vLLM computes for this case, without
+        # its index arithmetic for drafts: one sampled row per request (its last), no targets.
+        import torch
+        from vllm.utils.torch_utils import async_tensor_h2d
+        from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+        num_reqs = len(num_draft_tokens)
+        int32 = dict(dtype=torch.int32, device=self.device)
+        logits_indices = async_tensor_h2d(cu_num_scheduled_tokens - 1, device=self.device)
+        return SpecDecodeMetadata(
+            draft_token_ids=self.input_ids.gpu.new_zeros(0),
+            num_draft_tokens=num_draft_tokens.tolist(),
+            cu_num_draft_tokens=torch.zeros(num_reqs, **int32),
+            cu_num_sampled_tokens=torch.arange(1, num_reqs + 1, **int32),
+            target_logits_indices=torch.zeros(0, **int32),
+            bonus_logits_indices=torch.arange(num_reqs, **int32),
+            logits_indices=logits_indices,
+        )
+
+    return _calc_spec_decode_metadata
+
+
 def _wrap_sample(original):
     @functools.wraps(original)
     def _sample(self, logits, spec_decode_metadata):
@@ -576,9 +609,18 @@ def _wrap_input_fits_in_drafter(original):
 def _wrap_take_draft_token_ids(original):
     @functools.wraps(original)
     def take_draft_token_ids(self):
-        drafts = original(self)
         state = getattr(self, "ddtree_state", None)
-        if state is not None and drafts is not None:
+        if state is None:
+            return original(self)
+        if isinstance(self._draft_token_ids, list):
+            # A step that drafted nothing (propose_draft_token_ids, the only source of a list):
+            # the policy still counts it, but the scheduler cleared every request's drafts when
+            # it scheduled them, so there is nothing to send (None skips its update).
+            state.clip_drafts(self.input_batch.req_ids, self._draft_token_ids, self.requests,
+                              self.max_model_len)
+            return None
+        drafts = original(self)
+        if drafts is not None:
             state.clip_drafts(drafts.req_ids, drafts.draft_token_ids, self.requests,
                               self.max_model_len)
         return drafts
