@@ -10,12 +10,16 @@ vLLM's writer, for overlapping moves too.
 import pytest
 import torch
 
+from vllm_ddtree.kernels import masked_attention_ref
 from vllm_ddtree.plugin.cpu_attention import (
     _write_with_vllm,
     compact_cpu_kv,
     cpu_kv_layout,
     slot_maps,
+    tree_attention_info,
+    tree_rows_attention,
 )
+from vllm_ddtree.tree import build_tree
 
 AMX = torch.cpu._is_amx_tile_supported()
 CASES = [
@@ -88,9 +92,6 @@ def test_tree_rows_attention_is_the_reference_up_to_the_kernels_rounding():
     """fp32 (any ISA) and non-AMX ISAs: exactly the torch reference. AMX bf16: the same
     attention with the unnormalised probabilities rounded to bf16 (within bf16 error of the
     reference, and bit-equal to that rounding written out here)."""
-    from vllm_ddtree.kernels import masked_attention_ref
-    from vllm_ddtree.plugin.cpu_attention import tree_rows_attention
-
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(5, 4, 32, generator=gen)
     k, v = torch.randn(2, 20, 2, 32, generator=gen)
@@ -112,3 +113,48 @@ def test_tree_rows_attention_is_the_reference_up_to_the_kernels_rounding():
     expect = expect / weights.sum(-1).transpose(0, 1)[..., None]
     assert torch.equal(got, expect.bfloat16())
     assert not torch.equal(got, ref)  # the rounding is really there
+
+
+@pytest.mark.parametrize("isa,dtype", [("vec", torch.float32), ("vec16", torch.bfloat16)])
+def test_batched_tree_rows_equal_the_reference_per_request(isa, dtype):
+    """One verify step of three requests (the middle one without drafts) on a paged cache with
+    scattered blocks: the step's slots and masks (:func:`tree_attention_info`), the flat cache
+    gathers and the batched attention give, for every node row, the torch reference over that
+    request's context plus its ancestors (K/V written by vLLM's writer)."""
+    bs, nkv, heads, d, budget = 16, 2, 4, 32, 6
+    gen = torch.Generator().manual_seed(5)
+    ctx, num_draft = [5, 30, 20], [3, 0, 6]
+    tree = build_tree(torch.randn(3, 4, 50, generator=gen), torch.tensor(num_draft),
+                      max_budget=budget)
+    dense = tree.dense_mask()
+    seq_lens = [c + m + 1 for c, m in zip(ctx, num_draft)]
+    block_table = torch.randperm(12, generator=gen)[:9].view(3, 3).to(torch.int32)
+    starts = [0, num_draft[0] + 1, num_draft[0] + 2]  # query rows: span of 0, 1 row of 1, ...
+    num_rows = starts[-1] + num_draft[2] + 1
+    positions = [torch.arange(n) for n in seq_lens]
+    slots = [block_table[r, p // bs].long() * bs + p % bs for r, p in enumerate(positions)]
+    k = torch.randn(sum(seq_lens), nkv, d, generator=gen).to(dtype)
+    v = torch.randn(sum(seq_lens), nkv, d, generator=gen).to(dtype)
+    cache = _write_with_vllm(isa, dtype, 12, bs, nkv, d, k, v, torch.cat(slots))
+    q = torch.randn(num_rows, heads, d, generator=gen).to(dtype)
+
+    requests = [(r, starts[r], m) for r, m in enumerate(num_draft) if m > 0]
+    info = tree_attention_info(dense, requests, seq_lens, block_table, bs)
+    k_index, v_index = cpu_kv_layout(cache, isa).index(info.slots)
+    flat = cache.view(-1)
+    got = tree_rows_attention(q[info.rows], flat[k_index], flat[v_index], info.mask, 0.3, isa)
+
+    first = 0
+    for r, start, m in [(r, starts[r], m) for r, m in enumerate(num_draft)]:
+        n = seq_lens[r]
+        if m:
+            mask = torch.cat([torch.ones(m, ctx[r], dtype=torch.bool), dense[r, 1:m + 1, :m + 1]],
+                             dim=1)
+            want = masked_attention_ref(q[start + 1:start + m + 1], k[first:first + n],
+                                        v[first:first + n], mask, 0.3)
+            i = [j for j, (rr, _, _) in enumerate(requests) if rr == r][0]
+            assert torch.equal(info.rows[i, :m], torch.arange(start + 1, start + m + 1))
+            assert int(info.valid[i].sum()) == m
+            torch.testing.assert_close(got[i, :m].float(), want.float(), atol=2e-6 if
+                                       dtype == torch.float32 else 1e-2, rtol=1e-3)
+        first += n

@@ -3,9 +3,12 @@
 The CPU platform ignores the attention-backend selection, so the plugin overrides
 ``CPU_ATTN`` itself with :class:`DDTreeCPUBackend`. It behaves exactly like the stock backend
 unless its builder holds a :class:`TreeState` with a verify batch: then, after the stock causal
-kernel, the node rows of every request with drafts are recomputed with the torch reference
-:func:`vllm_ddtree.kernels.masked_attention_ref` over the committed context (read from the
-paged cache) plus the request's ancestor-only span. The root row is causal already.
+kernel, the node rows of every request with drafts are recomputed with the math of the torch
+reference (:func:`vllm_ddtree.kernels.masked_attention_ref`) over the committed context plus
+the request's ancestor-only span, both read from the paged cache. The root row is causal
+already. The slots and masks of a step are built once (:func:`tree_attention_info`, in the
+metadata builder); each layer then runs two gathers, one batched attention over all requests
+and one scatter.
 
 CPU K/V layout (one tensor per layer, ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``):
 each (block, head) holds a K half and a V half of ``block_size * head_dim`` elements, whose
@@ -19,7 +22,7 @@ quantized cache) is refused with a clear error.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from vllm.v1.attention.backends.cpu_attn import (
@@ -29,15 +32,56 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from vllm_ddtree.kernels import masked_attention_ref
-
 
 @dataclass
 class TreeAttentionInfo:
-    """Host-side description of the tree rows of one verify step."""
+    """The tree rows of one verify step, built once per step and shared by every layer of the
+    KV group (all gather the same slots under the same mask).
 
-    requests: list[tuple[int, int, int]]  # (request row, first query row, m) with m > 0
-    dense_mask: torch.Tensor  # [R, B + 1, B + 1] bool ancestor mask (row/col 0 = root)
+    Requests with drafts are padded to ``b`` node rows and ``s`` key positions (positions
+    ``0 .. seq_len - 1``: the committed context, then the verify span, whose K/V the stock
+    kernel has just written at the span's slots).
+    """
+
+    rows: torch.Tensor  # [n, b] int64 flat query row of node i of request n (padding: 0)
+    valid: torch.Tensor  # [n, b] bool: a real node row
+    slots: torch.Tensor  # [n, s] int64 K/V slot of position j (padding: slot 0, masked)
+    mask: torch.Tensor  # [n, b, s] bool: what node row i sees (padding rows: position 0)
+    # (isa, dtype, per-layer cache shape) -> flat cache indices of ``slots`` (K, V), made by the
+    # group's first layer and reused by the others
+    flat_index: dict = field(default_factory=dict)
+
+
+def tree_attention_info(dense_mask: torch.Tensor, requests: list[tuple[int, int, int]],
+                        seq_lens: list[int], block_table: torch.Tensor,
+                        block_size: int) -> TreeAttentionInfo:
+    """The :class:`TreeAttentionInfo` of a verify step.
+
+    Args:
+        dense_mask: ``[R, B + 1, B + 1]`` ancestor masks of the step's trees (row/col 0 = root).
+        requests: ``(request row, first query row, m)`` of each request with ``m > 0`` nodes.
+        seq_lens: every request's sequence length after this step's tokens.
+        block_table: ``[R, max_blocks]`` the group's block table.
+    """
+    req = torch.tensor([r for r, _, _ in requests])
+    start = torch.tensor([first for _, first, _ in requests])
+    m = torch.tensor([n for _, _, n in requests])
+    seq = torch.tensor([seq_lens[r] for r, _, _ in requests])
+    ctx = seq - m - 1
+    b, s = int(m.max()), int(seq.max())
+    node = torch.arange(b)
+    valid = node[None] < m[:, None]  # [n, b]
+    rows = torch.where(valid, start[:, None] + 1 + node[None], 0)
+    pos = torch.arange(s)[None].expand(len(requests), s)
+    blocks = block_table[req[:, None], pos // block_size].to(torch.int64)
+    slots = torch.where(pos < seq[:, None], blocks * block_size + pos % block_size, 0)
+    rel = pos[:, None, :] - ctx[:, None, None]  # [n, 1, s]: position within the span
+    in_span = (rel >= 0) & (rel <= m[:, None, None])
+    tree = dense_mask[req, 1 : b + 1].gather(2, rel.clamp(0, dense_mask.shape[2] - 1)
+                                                .expand(-1, b, -1))
+    mask = ((rel < 0) | (in_span & tree)) & valid[..., None]
+    mask[..., 0] |= ~valid  # a padding row sees one position: no all-masked softmax
+    return TreeAttentionInfo(rows=rows, valid=valid, slots=slots, mask=mask)
 
 
 @dataclass
@@ -49,8 +93,9 @@ class CPUKVLayout:
     """Slot reads and writes of one CPU layer cache ``[nb, nkv, bs, 2 * D]`` (see module doc).
 
     ``k_index`` / ``v_index`` (``[bs, D]``, from :func:`slot_maps`) give the flat position of
-    element (offset, dim) inside a (block, head) half. Example (``vec``, block_size 32): K of
-    slot 70 = block 2, offset 6 is ``k[2, :, k_index[6]]`` = ``k[2, :, 6 + 32 * d]``.
+    element (offset, dim) inside a (block, head) half; a (block, head) holds ``bs * 2 * D``
+    elements, its K half first. Example (``vec``, block_size 32): K of slot 70 = block 2,
+    offset 6, head h, dim d is cache element ``(2 * nkv + h) * 64 * D + 6 + 32 * d``.
     """
 
     def __init__(self, kv_cache: torch.Tensor, k_index: torch.Tensor, v_index: torch.Tensor):
@@ -59,28 +104,30 @@ class CPUKVLayout:
                 f"ddtree: expected a contiguous CPU KV cache per layer, got strides "
                 f"{kv_cache.stride()} for shape {tuple(kv_cache.shape)}"
             )
-        nb, nkv, bs, two_d = kv_cache.shape
-        self.block_size = bs
-        halves = kv_cache.view(nb, nkv, 2, bs * (two_d // 2))
-        self.k, self.v = halves[:, :, 0], halves[:, :, 1]  # [nb, nkv, bs * D] each
+        _, self.num_kv_heads, self.block_size, two_d = kv_cache.shape
+        self.flat = kv_cache.view(-1)
         self.k_index, self.v_index = k_index, v_index
+        self.half = self.block_size * (two_d // 2)  # elements of one K or V half
 
-    def _where(self, slots: torch.Tensor, index: torch.Tensor):
-        blocks, offsets = slots // self.block_size, slots % self.block_size
-        return blocks[:, None], index[offsets]  # [n, 1], [n, D]
+    def index(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``slots [...]`` -> flat cache indices ``(K [..., nkv, D], V [..., nkv, D])``; the
+        same for every layer cache of this shape."""
+        offsets = slots % self.block_size
+        heads = torch.arange(self.num_kv_heads)[:, None] * (2 * self.half)  # [nkv, 1]
+        base = (slots // self.block_size)[..., None, None] * (self.num_kv_heads * 2 * self.half)
+        base = base + heads
+        return (base + self.k_index[offsets][..., None, :],
+                base + self.half + self.v_index[offsets][..., None, :])
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``slots [n]`` -> ``(K [n, nkv, D], V [n, nkv, D])``."""
-        kb, kp = self._where(slots, self.k_index)
-        vb, vp = self._where(slots, self.v_index)
-        # advanced indices around a slice: the result is [n, D, nkv]
-        return self.k[kb, :, kp].transpose(1, 2), self.v[vb, :, vp].transpose(1, 2)
+        k_index, v_index = self.index(slots)
+        return self.flat[k_index], self.flat[v_index]
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        kb, kp = self._where(slots, self.k_index)
-        vb, vp = self._where(slots, self.v_index)
-        self.k[kb, :, kp] = k.transpose(1, 2).to(self.k.dtype)
-        self.v[vb, :, vp] = v.transpose(1, 2).to(self.v.dtype)
+        k_index, v_index = self.index(slots)
+        self.flat[k_index] = k.to(self.flat.dtype)
+        self.flat[v_index] = v.to(self.flat.dtype)
 
 
 def _write_with_vllm(isa: str, dtype: torch.dtype, num_blocks: int, block_size: int,
@@ -159,24 +206,31 @@ def cpu_kv_layout(kv_cache: torch.Tensor, isa: str) -> CPUKVLayout:
 
 def tree_rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                         scale: float, isa: str) -> torch.Tensor:
-    """Attention of the tree rows (:func:`masked_attention_ref` shapes), rounded like vLLM's
-    CPU kernel where that is known, so that near-ties resolve as in plain decoding.
+    """Attention of the tree rows: the math of :func:`masked_attention_ref` (fp32) batched over
+    leading dims, rounded like vLLM's CPU kernel where that is known, so that near-ties resolve
+    as in plain decoding.
+
+    Shapes: ``q [..., n, H, D]``, ``k = v [..., L, Hkv, D]``, ``mask [..., n, L]`` (every row
+    must see a position) -> ``[..., n, H, D]`` in q's dtype.
 
     ``amx`` (bf16): the kernel multiplies V by the unnormalised probabilities ``exp(s - max)``
     rounded to bf16 and divides by their float32 sum; doing the same here took a random
     hand-made pair in bf16 (6 prompts x 64 tokens) from 2/6 to 6/6 prompts token-identical to
     plain decoding at B=8 and from 3/6 to 5/6 at B=64. Otherwise: the float32 reference.
     """
-    if isa != "amx" or q.dtype != torch.bfloat16:
-        return masked_attention_ref(q, k, v, mask, scale)
-    group = q.shape[1] // k.shape[1]
-    qf = q.float().transpose(0, 1)  # [H, q_len, D]
-    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, kv_len, D]
-    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
-    scores = ((qf @ kf.transpose(1, 2)) * scale).masked_fill(~mask, float("-inf"))
-    probs = (scores - scores.amax(dim=-1, keepdim=True)).exp()  # every row sees the root
-    out = (probs.to(torch.bfloat16).float() @ vf) / probs.sum(dim=-1, keepdim=True)
-    return out.transpose(0, 1).to(q.dtype)
+    group = q.shape[-2] // k.shape[-2]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    qf = q.to(acc).transpose(-3, -2)  # [..., H, n, D]
+    kf = k.to(acc).repeat_interleave(group, dim=-2).transpose(-3, -2)  # [..., H, L, D]
+    vf = v.to(acc).repeat_interleave(group, dim=-2).transpose(-3, -2)
+    scores = (qf @ kf.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask.unsqueeze(-3), float("-inf"))
+    if isa == "amx" and q.dtype == torch.bfloat16:
+        probs = (scores - scores.amax(dim=-1, keepdim=True)).exp()
+        out = (probs.to(torch.bfloat16).float() @ vf) / probs.sum(dim=-1, keepdim=True)
+    else:
+        out = torch.softmax(scores, dim=-1) @ vf
+    return out.transpose(-3, -2).to(q.dtype)
 
 
 class DDTreeCPUMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -196,7 +250,8 @@ class DDTreeCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         ]
         if not requests:
             return meta
-        info = TreeAttentionInfo(requests=requests, dense_mask=verify.tree.dense_mask())
+        info = tree_attention_info(verify.tree.dense_mask(), requests, meta.seq_lens.tolist(),
+                                   meta.block_table, self.kv_cache_spec.block_size)
         return DDTreeCPUMetadata(**vars(meta), ddtree=info)
 
     def build_for_drafting(self, common_attn_metadata, draft_index: int):
@@ -207,33 +262,22 @@ class DDTreeCPUMetadataBuilder(CPUAttentionMetadataBuilder):
 class DDTreeCPUImpl(CPUAttentionBackendImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
+        # the stock kernel writes the step's K/V (the verify spans too) and computes the
+        # causal rows; the node rows are then recomputed over context + ancestors
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                  output_scale, output_block_scale)
         info = getattr(attn_metadata, "ddtree", None)
         if info is None:
             return output
-        block_size, head_dim = kv_cache.shape[2], kv_cache.shape[3] // 2
-        layout = cpu_kv_layout(kv_cache, layer.isa)
-        out = output.view(output.shape[0], -1, head_dim)
-        seq_lens = attn_metadata.seq_lens
-        for r, start, m in info.requests:
-            span = m + 1
-            ctx = int(seq_lens[r]) - span
-            positions = torch.arange(ctx, device=kv_cache.device)
-            blocks = attn_metadata.block_table[r, positions // block_size].to(torch.int64)
-            k_ctx, v_ctx = layout.read(blocks * block_size + positions % block_size)
-            k = torch.cat([k_ctx, key[start : start + span]], dim=0)
-            v = torch.cat([v_ctx, value[start : start + span]], dim=0)
-            mask = torch.cat(
-                [
-                    torch.ones(m, ctx, dtype=torch.bool),
-                    info.dense_mask[r, 1:span, :span],
-                ],
-                dim=1,
-            )
-            out[start + 1 : start + span] = tree_rows_attention(
-                query[start + 1 : start + span], k, v, mask, self.scale, layer.isa
-            ).to(out.dtype)
+        where = (layer.isa, kv_cache.dtype, tuple(kv_cache.shape[1:]))
+        index = info.flat_index.get(where)
+        if index is None:
+            index = info.flat_index[where] = cpu_kv_layout(kv_cache, layer.isa).index(info.slots)
+        flat = kv_cache.view(-1)
+        k, v = flat[index[0]], flat[index[1]]  # [n, s, nkv, D]
+        out = output.view(output.shape[0], -1, kv_cache.shape[3] // 2)
+        rows = tree_rows_attention(query[info.rows], k, v, info.mask, self.scale, layer.isa)
+        out[info.rows[info.valid]] = rows[info.valid].to(out.dtype)
         return output
 
 
@@ -259,7 +303,12 @@ def compact_cpu_kv(kv_caches: list[torch.Tensor], isa: str, src_slots: torch.Ten
     src, dst = src_slots[keep], dst_slots[keep]
     if src.numel() == 0:
         return
+    indices = {}  # the flat indices of one cache shape serve every layer of that shape
     for cache in kv_caches:
-        layout = cpu_kv_layout(cache, isa)
-        k, v = layout.read(src)
-        layout.write(dst, k, v)
+        where = (cache.dtype, tuple(cache.shape[1:]))
+        if where not in indices:
+            layout = cpu_kv_layout(cache, isa)
+            indices[where] = (torch.cat(layout.index(src)), torch.cat(layout.index(dst)))
+        src_index, dst_index = indices[where]
+        flat = cache.view(-1)
+        flat[dst_index] = flat[src_index]
