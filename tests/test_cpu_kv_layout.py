@@ -2,9 +2,9 @@
 
 Oracle: vLLM's own writer, ``ops.cpu_attn_reshape_and_cache``, for every kernel ISA this machine
 runs (``vec`` and ``vec16`` everywhere on x86; ``amx`` for bf16 where the CPU has AMX tiles).
-Our ``CPUKVLayout.write`` must leave the cache byte-identical to vLLM's writer, ``read`` must
-return what vLLM wrote, and ``compact_cpu_kv`` must equal re-writing the moved tokens with
-vLLM's writer, for overlapping moves too.
+Writing through ``CPUKVLayout.index`` must leave the cache byte-identical to vLLM's writer,
+``read`` must return what vLLM wrote, and ``compact_cpu_kv`` must equal re-writing the moved
+tokens with vLLM's writer, for overlapping moves too.
 """
 
 import pytest
@@ -63,7 +63,8 @@ def test_read_and_write_match_vllms_writer(isa, dtype, bs, nkv, d):
     got_k, got_v = layout.read(slots)
     assert torch.equal(got_k, k) and torch.equal(got_v, v)
     ours = torch.zeros_like(expect)
-    cpu_kv_layout(ours, isa).write(slots, k, v)
+    k_index, v_index = cpu_kv_layout(ours, isa).index(slots)  # the indices compaction writes
+    ours.view(-1)[k_index], ours.view(-1)[v_index] = k, v
     assert torch.equal(ours.view(torch.int8 if dtype != torch.float32 else torch.int32),
                        expect.view(torch.int8 if dtype != torch.float32 else torch.int32))
 

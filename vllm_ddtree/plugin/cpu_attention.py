@@ -14,8 +14,8 @@ CPU K/V layout (one tensor per layer, ``[num_blocks, num_kv_heads, block_size, 2
 each (block, head) holds a K half and a V half of ``block_size * head_dim`` elements, whose
 inner order depends on the kernel ISA vLLM picked (``vec``/``vec16``: K transposed, V plain;
 ``amx`` for bf16: VNNI-packed pairs). :func:`slot_maps` learns that order from vLLM's own
-``cpu_attn_reshape_and_cache`` once per configuration, and :class:`CPUKVLayout` reads and
-writes slots through it; a layout that is not a permutation of the slot elements (a
+``cpu_attn_reshape_and_cache`` once per configuration, and :class:`CPUKVLayout` turns slots
+into flat cache indices through it (tree attention reads them, compaction copies them); a layout that is not a permutation of the slot elements (a
 quantized cache) is refused with a clear error.
 """
 
@@ -90,7 +90,7 @@ class DDTreeCPUMetadata(CPUAttentionMetadata):
 
 
 class CPUKVLayout:
-    """Slot reads and writes of one CPU layer cache ``[nb, nkv, bs, 2 * D]`` (see module doc).
+    """Slot addressing of one CPU layer cache ``[nb, nkv, bs, 2 * D]`` (see module doc).
 
     ``k_index`` / ``v_index`` (``[bs, D]``, from :func:`slot_maps`) give the flat position of
     element (offset, dim) inside a (block, head) half; a (block, head) holds ``bs * 2 * D``
@@ -123,11 +123,6 @@ class CPUKVLayout:
         """``slots [n]`` -> ``(K [n, nkv, D], V [n, nkv, D])``."""
         k_index, v_index = self.index(slots)
         return self.flat[k_index], self.flat[v_index]
-
-    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        k_index, v_index = self.index(slots)
-        self.flat[k_index] = k.to(self.flat.dtype)
-        self.flat[v_index] = v.to(self.flat.dtype)
 
 
 def _write_with_vllm(isa: str, dtype: torch.dtype, num_blocks: int, block_size: int,
