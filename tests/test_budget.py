@@ -40,6 +40,8 @@ def test_docstring_example_plain_decoding_wins():
     # tokens per ms, below plain decoding's 2 / 2 = 1
     cost = CostModel((1, 2), (1e-3, 2e-3), (1,), (1e-3,))
     assert auto_budgets(gains, cost).tolist() == [0, 0]
+    # when the measured rates decide whether to draft: the best tree step, k = 1
+    assert auto_budgets(gains, cost, versus_plain=False).tolist() == [1, 0]
     # free verification (weight-bound): every node with a gain pays
     flat = CostModel((1, 1000), (10e-3, 10e-3), (1,), (1e-3,))
     assert auto_budgets(gains, flat).tolist() == [2, 2]

@@ -206,3 +206,22 @@ def test_a_drafter_that_becomes_faster_than_plain_decoding_drafts_again(monkeypa
     assert sum(slow[200:]) <= 2
     fast = [engine.step(0.008, 3, 0.005) for _ in range(3000)]
     assert all(fast[-200:])
+
+
+def test_once_measured_the_rates_decide_whether_to_draft_and_the_model_sizes_trees(monkeypatch):
+    """The model says plain decoding wins (the docstring example of auto_budgets for one
+    request: the best tree, one node, 1.9 tokens in 3 ms, against 1 token in 1 ms); the
+    measurements say drafting pays (3 tokens in 10 ms against 1 in 5 ms). Without both rates the
+    model's answer stands (budget 0); with them the drafter runs and gets the model's best
+    tree given that it runs: k = 1 of (1 + [0, .9, 1.4]) / ([1, 2, 3] + 1) tokens per ms."""
+    engine = Engine(monkeypatch)
+    ctl = engine.ctl
+    ctl.set_cost_model(CostModel((1, 2), (1e-3, 2e-3), (1,), (1e-3,)))
+    scores = torch.tensor([[0.9, 0.5]]).log()
+    depths = torch.tensor([[1, 2]])
+    assert ctl.budget(1, None)(scores, depths).tolist() == [0]
+    ran = [engine.step(0.010, 3, 0.005) for _ in range(EXPLORE_AFTER + 2 + FIRST_PAUSE + 8)]
+    assert ran.count(False) == FIRST_PAUSE and all(ran[-8:])
+    assert ctl.budget(1, None)(scores, depths).tolist() == [1]
+    # another batch bucket has no measurements: the model still decides there
+    assert ctl.budget(2, None)(scores.expand(2, 2), depths.expand(2, 2)).tolist() == [0, 0]

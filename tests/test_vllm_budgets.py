@@ -176,39 +176,28 @@ def test_a_paused_drafter_keeps_its_context(baseline, synthetic_auto):
         assert not torch.allclose(holed[req_id][0][:n], k[:n], atol=1e-2), req_id
 
 
-def test_metadata_of_a_step_without_drafts_is_vllms():
-    """A step in which no request has drafts gets its spec-decode metadata from the plugin's
-    shortcut; every field (values, dtypes, shapes) equals what vLLM computes. Steps with drafts
-    and runners without ddtree go to vLLM unchanged."""
-    import types
-
-    import numpy as np
+def test_a_paused_drafters_steps_are_prepared_as_plain_decoding(baseline, monkeypatch):
+    """[[2, 16], [256, 0]] with 6 requests: the drafter never drafts, and every step (prefill
+    and decode) is prepared by vLLM's branch without speculation (no spec-decode metadata).
+    With 2 requests the drafter drafts: every step carries metadata (the drafter's input
+    preparation and the verify steps need it). Outputs stay those of plain decoding."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_ddtree.plugin.patches import install
+    prepared = []
+    patched = GPUModelRunner._prepare_inputs
 
-    install()
-    wrapped = GPUModelRunner._calc_spec_decode_metadata
-    original = wrapped.__wrapped__
-    runner = types.SimpleNamespace(
-        device=torch.device("cpu"),
-        input_ids=types.SimpleNamespace(gpu=torch.arange(100, 400, dtype=torch.int32)),
-        _arange_scratch=np.empty(300, dtype=np.int64),
-        arange_np=np.arange(300, dtype=np.int64),
-        ddtree_state=object(),
-    )
-    runner._get_cumsum_and_arange = GPUModelRunner._get_cumsum_and_arange.__get__(runner)
-    fields = ("draft_token_ids", "cu_num_draft_tokens", "cu_num_sampled_tokens",
-              "target_logits_indices", "bonus_logits_indices", "logits_indices")
-    rng = np.random.default_rng(0)
-    for num_reqs in (1, 3, 32):
-        num_scheduled = rng.integers(1, 9, num_reqs).astype(np.int32)
-        cu = np.cumsum(num_scheduled)  # vLLM's dtype for these (see _prepare_inputs)
-        for num_draft in (np.zeros(num_reqs, np.int32),
-                          np.minimum(num_scheduled - 1, 2).astype(np.int32)):
-            got, want = wrapped(runner, num_draft, cu), original(runner, num_draft, cu)
-            assert got.num_draft_tokens == want.num_draft_tokens
-            assert got.max_spec_len == want.max_spec_len
-            for name in fields:
-                a, b = getattr(got, name), getattr(want, name)
-                assert a.dtype == b.dtype and torch.equal(a, b), (num_reqs, name, a, b)
+    def recording(self, scheduler_output, num_scheduled_tokens):
+        result = patched(self, scheduler_output, num_scheduled_tokens)
+        prepared.append(result[1] is None)
+        return result
+
+    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", recording)
+    llm = make_llm(ddtree_spec(16, ddtree_budget_policy=[[2, 16], [256, 0]]), **ENGINE)
+    prepared.clear()  # the engine's warm-up steps
+    assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == baseline
+    assert len(prepared) >= GREEDY.max_tokens and all(prepared)
+    prepared.clear()
+    assert _token_ids(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)) == baseline[:2]
+    assert prepared and not any(prepared)
+    assert spec_metrics(llm)["vllm:spec_decode_num_drafts"] > 0
+    close(llm)

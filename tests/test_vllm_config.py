@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import inspect
+
 import pytest
 from vllm_utils import DRAFTER, TARGET, close, ddtree_spec, make_llm
 
@@ -407,6 +409,25 @@ def test_require_names_the_missing_symbol():
         _require(Dummy, "missing")
     with pytest.raises(ImportError, match=r"Dummy\.method lacks parameters \['c'\].*0\.32\.x"):
         _require(Dummy, "method", ("a", "c"))
+
+
+def test_require_one_read_checks_what_the_prepare_patch_relies_on():
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_ddtree.plugin.patches import _require_one_read
+
+    # vLLM 0.32's _prepare_inputs (unwrapped) reads speculative_config once, to pick its branch
+    original = inspect.unwrap(GPUModelRunner._prepare_inputs)
+    _require_one_read(original, "self.speculative_config",
+                      "use_spec_decode = self.speculative_config is not None")
+
+    def reads_twice(self):
+        use_spec_decode = self.speculative_config is not None
+        return use_spec_decode, self.speculative_config
+
+    with pytest.raises(ImportError, match=r"reads_twice no longer reads self\.speculative_config"):
+        _require_one_read(reads_twice, "self.speculative_config",
+                          "use_spec_decode = self.speculative_config is not None")
 
 
 # 3. per-request rejection (one real engine) --------------------------------------------------

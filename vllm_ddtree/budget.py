@@ -13,10 +13,13 @@ R requests and k verified nodes in all, a step emits ``R + S_k`` tokens (``S_k``
 the k nodes) and costs ``T_verify(R + k) + T_draft(R)`` (:class:`CostModel`, measured by the
 engine). The k nodes of largest gain over ALL requests of the batch are taken, k chosen by an
 exhaustive argmax over ``0 .. R * B`` (gains are sorted, so this is the best set of every size);
-each request's budget is its number of nodes among them. If even the best k emits fewer tokens
-per second than not drafting at all (``R / T_verify(R)``: a plain decoding step, no drafter),
-every budget is 0 and the drafter should pause. Everything runs on the device with fixed
-shapes: no host synchronisation.
+each request's budget is its number of nodes among them. Whether to draft at all is a second
+question: until the engine has measured both kinds of step in this regime, the model answers it
+(if even the best k emits fewer tokens per second than not drafting at all, ``R / T_verify(R)``:
+a plain decoding step, no drafter, every budget is 0 and the drafter should pause); after that
+the measured rates answer it (``plugin/policy.py``) and the budgets are the best trees given
+that the drafter runs. Everything runs on the device with fixed shapes: no host
+synchronisation.
 
 No vLLM imports here; the plugin measures the costs and feeds the calibration.
 """
@@ -165,7 +168,7 @@ def node_gains(scores: torch.Tensor, depths: torch.Tensor, factors: torch.Tensor
 
 
 def auto_budgets(gains: torch.Tensor, cost: CostModel, on_scale: float = 1.0,
-                 off_scale: float = 1.0) -> torch.Tensor:
+                 off_scale: float = 1.0, versus_plain: bool = True) -> torch.Tensor:
     """Per-request budgets ``[R]`` int64 that maximise the expected tokens per second of a step.
 
     Args:
@@ -174,17 +177,20 @@ def auto_budgets(gains: torch.Tensor, cost: CostModel, on_scale: float = 1.0,
         cost: the step cost model.
         on_scale, off_scale: observed / predicted step time of steps that drafted, and of
             steps that did not (the engine's online correction; 1 = trust the model).
+        versus_plain: compare the best tree step with plain decoding (the model decides
+            whether to draft at all); False when the engine's measured rates decide that, so
+            the budgets are the best trees given that the drafter runs.
 
     The nodes of all requests are ranked by gain (ties: request, then node order); taking the
     first k costs ``T_verify(R + k) + T_draft(R)`` and emits ``R + S_k`` tokens in expectation.
-    The best k wins, unless ``R / T_verify(R)`` (no drafter at all) is at least as good: then
-    every budget is 0. A request's budget is its number of nodes among the first k, a prefix
-    of its best-first list, hence a subtree.
+    The best k wins, unless ``versus_plain`` and ``R / T_verify(R)`` (no drafter at all) is at
+    least as good: then every budget is 0. A request's budget is its number of nodes among the
+    first k, a prefix of its best-first list, hence a subtree.
 
     Example: two requests with gains [[.9, .5], [.6, .1]], T_verify(n) = n ms, T_draft = 1 ms:
     k = 0..4 give (2 + [0, .9, 1.5, 2.0, 2.1]) / ([2, 3, 4, 5, 6] + 1) tokens per ms =
     [.67, .73, .70, .67, .59]: k = 1, budgets [1, 0]; plain decoding gives 2 / 2 = 1 token
-    per ms, better still, so both budgets are 0.
+    per ms, better still, so both budgets are 0 (with ``versus_plain=False``: [1, 0]).
     """
     num_reqs, width = gains.shape
     device = gains.device
@@ -194,10 +200,10 @@ def auto_budgets(gains: torch.Tensor, cost: CostModel, on_scale: float = 1.0,
     k = torch.arange(num_reqs * width + 1, device=device)
     step_time = (cost.verify_time(num_reqs + k) + cost.draft_time(num_reqs)) * on_scale
     rate = (num_reqs + taken) / step_time
-    best = rate.argmax()
-    plain = num_reqs / (cost.verify_time(torch.full((), float(num_reqs), device=device))
-                        * off_scale)
-    keep = torch.where(rate[best] > plain, best, 0)
+    keep = rate.argmax()
+    if versus_plain:
+        plain = num_reqs / (cost.verify_time_host(num_reqs) * off_scale)
+        keep = torch.where(rate[keep] > plain, keep, 0)
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=device)
     chosen = (rank < keep).view(num_reqs, width)

@@ -18,8 +18,9 @@ must exist with the parameters it expects.
    compute (``support.py``), build the K/V compactor once the caches exist and compile the
    Triton kernels (engine start, not mid-serving).
 6. ``GPUModelRunner._prepare_inputs``: build the verify trees; depth positions in place.
-6b. ``GPUModelRunner._calc_spec_decode_metadata``: a step in which no request has drafts gets
-   the same metadata from a few constant tensors (a paused drafter pays near nothing for it).
+   A step in which no request has drafts and the budget policy does not draft at its end (a
+   paused drafter) is prepared as vLLM prepares a step without speculation (no spec-decode
+   metadata), so a paused drafter's steps cost what plain decoding's do.
 7. ``GPUModelRunner._sample``: after the walk, compact the accepted path's K/V; a step without
    drafts samples with vLLM's own sampler. ``GPUModelRunner.sample_tokens``: the step's emitted
    token count (vLLM's host lists) goes to the "auto" policy's measured rates.
@@ -73,6 +74,16 @@ def _require(owner, name: str, params: tuple[str, ...] = ()):
     return attr
 
 
+def _require_one_read(func, attr: str, line: str) -> None:
+    """``func`` reads ``attr`` exactly once, in ``line`` (a patch relies on what it decides)."""
+    source = inspect.getsource(func)
+    if source.count(attr) != 1 or line not in source:
+        raise ImportError(
+            f"vllm-ddtree: {func.__qualname__} no longer reads {attr} only in `{line}`; this "
+            f"plugin supports vLLM {SUPPORTED_VLLM[0]}.{SUPPORTED_VLLM[1]}.x only"
+        )
+
+
 def install() -> None:
     """Apply every patch once per process (idempotent)."""
     global _installed
@@ -103,14 +114,14 @@ def install() -> None:
     init_kv_cache = _require(GPUModelRunner, "initialize_kv_cache", ("kv_cache_config",))
     prepare_inputs = _require(GPUModelRunner, "_prepare_inputs",
                               ("scheduler_output", "num_scheduled_tokens"))
+    _require_one_read(prepare_inputs, "self.speculative_config",
+                      "use_spec_decode = self.speculative_config is not None")
     sample = _require(GPUModelRunner, "_sample", ("logits", "spec_decode_metadata"))
     sample_tokens = _require(GPUModelRunner, "sample_tokens", ("grammar_output",))
     fits = _require(GPUModelRunner, "_input_fits_in_drafter", ("common_attn_metadata",))
     take_drafts = _require(GPUModelRunner, "take_draft_token_ids")
     propose = _require(GPUModelRunner, "propose_draft_token_ids",
                        ("scheduler_output", "hidden_states", "aux_hidden_states"))
-    spec_metadata = _require(GPUModelRunner, "_calc_spec_decode_metadata",
-                             ("num_draft_tokens", "cu_num_scheduled_tokens"))
     from vllm.v1.worker.cpu_worker import CPUWorker
     from vllm.v1.worker.gpu_worker import Worker
 
@@ -125,7 +136,6 @@ def install() -> None:
     GPUModelRunner.__init__ = _wrap_runner_init(runner_init)
     GPUModelRunner.initialize_kv_cache = _wrap_initialize_kv_cache(init_kv_cache)
     GPUModelRunner._prepare_inputs = _wrap_prepare_inputs(prepare_inputs)
-    GPUModelRunner._calc_spec_decode_metadata = _wrap_calc_spec_decode_metadata(spec_metadata)
     GPUModelRunner._sample = _wrap_sample(sample)
     GPUModelRunner.sample_tokens = _wrap_sample_tokens(sample_tokens)
     GPUModelRunner._input_fits_in_drafter = _wrap_input_fits_in_drafter(fits)
@@ -466,10 +476,22 @@ def _attach_state_to_builders(runner, state) -> None:
 def _wrap_prepare_inputs(original):
     @functools.wraps(original)
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-        result = original(self, scheduler_output, num_scheduled_tokens)
         state = getattr(self, "ddtree_state", None)
         if state is None:
-            return result
+            return original(self, scheduler_output, num_scheduled_tokens)
+        if (any(scheduler_output.scheduled_spec_decode_tokens.values())
+                or state.budgets.will_draft(self.input_batch.num_reqs)):
+            result = original(self, scheduler_output, num_scheduled_tokens)
+        else:
+            # A plain decoding step (no drafts to verify, none to make at its end): vLLM's own
+            # preparation without speculation (it reads speculative_config only to choose that
+            # branch, checked at install), no spec-decode metadata and its index arithmetic.
+            # Sampling then takes vLLM's plain path and the drafter only stores its context.
+            spec_config, self.speculative_config = self.speculative_config, None
+            try:
+                result = original(self, scheduler_output, num_scheduled_tokens)
+            finally:
+                self.speculative_config = spec_config
         import torch
 
         _, spec_decode_metadata, _ = result
@@ -513,33 +535,6 @@ def _wrap_prepare_inputs(original):
         return result
 
     return _prepare_inputs
-
-
-def _wrap_calc_spec_decode_metadata(original):
-    @functools.wraps(original)
-    def _calc_spec_decode_metadata(self, num_draft_tokens, cu_num_scheduled_tokens):
-        if getattr(self, "ddtree_state", None) is None or num_draft_tokens.any():
-            return original(self, num_draft_tokens, cu_num_scheduled_tokens)
-        # No request has drafts (a paused drafter): what vLLM computes for this case, without
-        # its index arithmetic for drafts: one sampled row per request (its last), no targets.
-        import torch
-        from vllm.utils.torch_utils import async_tensor_h2d
-        from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
-
-        num_reqs = len(num_draft_tokens)
-        int32 = dict(dtype=torch.int32, device=self.device)
-        logits_indices = async_tensor_h2d(cu_num_scheduled_tokens - 1, device=self.device)
-        return SpecDecodeMetadata(
-            draft_token_ids=self.input_ids.gpu.new_zeros(0),
-            num_draft_tokens=num_draft_tokens.tolist(),
-            cu_num_draft_tokens=torch.zeros(num_reqs, **int32),
-            cu_num_sampled_tokens=torch.arange(1, num_reqs + 1, **int32),
-            target_logits_indices=torch.zeros(0, **int32),
-            bonus_logits_indices=torch.arange(num_reqs, **int32),
-            logits_indices=logits_indices,
-        )
-
-    return _calc_spec_decode_metadata
 
 
 def _wrap_sample(original):

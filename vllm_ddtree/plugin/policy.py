@@ -16,12 +16,13 @@ step is a plain decoding step. This stays correct because verification never dep
 drafter (no drafts: vLLM's own sampler), and the drafter's cache stays complete, so when
 drafting resumes its context is exactly the committed text.
 
-"auto" pauses the drafter when even its best tree does not beat plain decoding (by the model, or
-by the measured rates below) in ``PAUSE_AFTER`` consecutive steps while drafting has mostly not
-paid lately in this regime (a running rate of "draft" answers below one half: a few unsure
-trees, as at the start of a generation, do not switch off a drafter that pays), and probes again
-after a pause that doubles each time the probe's answer stays the same (8 steps, then 16, ... up
-to 256), per batch-size bucket (R's power of two): a new regime of traffic gets its own answer.
+"auto" pauses the drafter when even its best tree does not beat plain decoding (by the model
+until this regime has both kinds of step measured, then by the measured rates below) in
+``PAUSE_AFTER`` consecutive steps while drafting has mostly not paid lately in this regime (a
+running rate of "draft" answers below one half: a few unsure trees, as at the start of a
+generation, do not switch off a drafter that pays), and probes again after a pause that doubles
+each time the probe's answer stays the same (8 steps, then 16, ... up to 256), per batch-size
+bucket (R's power of two): a new regime of traffic gets its own answer.
 Online correction: the wall time between consecutive decode steps is compared with the cost
 model's prediction for what the step did (drafter on, or paused); the running ratios
 (``on_scale``, ``off_scale``) rescale the two sides of the comparison, so costs the start-up
@@ -36,10 +37,12 @@ running averages (weight ``MEASURED_EMA``) of their wall time and of the tokens 
 (vLLM's own host copy of the sampled tokens: no extra synchronisation). A step that verifies
 drafts but does not draft again (a probe answered "no") counts as drafting, with the model's
 drafter time added, so every probe refreshes the drafting rate and a drafter that became
-faster than plain decoding is found again. Once both kinds have ``MIN_MEASURED`` steps, a
-drafting step answers "no" whenever drafting's measured tokens per second fall below plain
-decoding's, whatever the model said: a cost the model cannot see (the CPU's tree attention, an
-unlucky drafter on this traffic) cannot keep a losing drafter on. A bucket that has drafted
+faster than plain decoding is found again. Once both kinds have ``MIN_MEASURED`` steps, the
+measured rates alone decide whether to draft: a drafting step answers "no" whenever drafting's
+measured tokens per second fall below plain decoding's, and "yes" otherwise, whatever the model
+said (its trees are then the best given that the drafter runs, not compared with plain
+decoding): a cost the model cannot see (the CPU's tree attention, an unlucky drafter on this
+traffic) cannot keep a losing drafter on, and a cost it overrates cannot keep a paying one off. A bucket that has drafted
 ``EXPLORE_AFTER`` measured steps with no plain ones pauses once for ``FIRST_PAUSE`` steps to
 measure them. Steps that draft without verifying (the first of a probe) and steps with a
 prefill are not counted.
@@ -134,16 +137,20 @@ class BudgetController:
     def _bucket(num_reqs: int) -> int:
         return max(num_reqs, 1).bit_length()
 
-    def drafting(self, num_reqs: int) -> bool:
-        """Whether the drafter runs its query pass this step (else: context K/V only)."""
+    def will_draft(self, num_reqs: int) -> bool:
+        """Whether the drafter runs its query pass at the end of this step (no side effect:
+        the runner asks before the step's forward)."""
         if self.name == "static":
-            run = True
-        elif self.table is not None:
-            run = self.table.budget(num_reqs) > 0
-        else:
-            run = self.step >= self._pause_until.get(self._bucket(num_reqs), 0)
-        self._drafting_now = run
-        return run
+            return True
+        if self.table is not None:
+            return self.table.budget(num_reqs) > 0
+        return self.step >= self._pause_until.get(self._bucket(num_reqs), 0)
+
+    def drafting(self, num_reqs: int) -> bool:
+        """:meth:`will_draft`, recorded as this step's decision (the drafter is about to run or
+        not; the next step's timing is attributed to it)."""
+        self._drafting_now = self.will_draft(num_reqs)
+        return self._drafting_now
 
     def budget(self, num_reqs: int, sampled: torch.Tensor | None):
         """What ``build_tree`` gets as its budget this step: an int, or (auto) a function of
@@ -159,10 +166,13 @@ class BudgetController:
             sampled = torch.zeros(num_reqs, dtype=torch.bool, device=self.device)
         factors = self.calibration.factors()
         on_scale, off_scale = self.on_scale, self.off_scale
+        # measured rates of both kinds here decide whether to draft; the model sizes the trees
+        versus_plain = not self._measured_both(self._bucket(num_reqs))
 
         def budgets(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
             gains = node_gains(scores, depths, factors, sampled)
-            return auto_budgets(gains, self.cost, on_scale=on_scale, off_scale=off_scale)
+            return auto_budgets(gains, self.cost, on_scale=on_scale, off_scale=off_scale,
+                                versus_plain=versus_plain)
 
         return budgets
 
@@ -199,12 +209,17 @@ class BudgetController:
         self.step += 1
         self._maybe_log()
 
+    def _measured_both(self, bucket: int) -> bool:
+        """Whether this bucket has measured ``MIN_MEASURED`` drafting and plain steps."""
+        on, off = self._measured.get((bucket, True)), self._measured.get((bucket, False))
+        return on is not None and off is not None and min(on.steps, off.steps) >= MIN_MEASURED
+
     def _measured_pays(self, bucket: int) -> bool:
         """False when this bucket's measured drafting steps emit fewer tokens per second than
-        its plain steps (both kinds measured ``MIN_MEASURED`` times); True without evidence."""
-        on, off = self._measured.get((bucket, True)), self._measured.get((bucket, False))
-        if on is None or off is None or min(on.steps, off.steps) < MIN_MEASURED:
+        its plain steps (both kinds measured); True without evidence."""
+        if not self._measured_both(bucket):
             return True
+        on, off = self._measured[(bucket, True)], self._measured[(bucket, False)]
         return on.tokens_per_s() >= off.tokens_per_s()
 
     def _explore_plain(self, bucket: int) -> None:
