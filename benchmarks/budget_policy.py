@@ -13,11 +13,18 @@ Workload: at concurrency c, the ``--num-prompts`` held-out prompts run in waves 
 output tokens / wall time.
 
 Side by side: every configuration's engine is started first and they stay up together; then
-one warm-up round and ``--repeats`` timed rounds, each running every configuration at every
-concurrency, the configurations in a rotated order each round. A drift of the machine's speed
-(another tenant of a shared box) then hits every configuration alike; each cell is the median
-of its rounds. On a GPU the engines share its memory (``--gpu-memory-utilization`` split between
-them): with a large model, pick fewer configurations with ``--only``.
+one warm-up round and ``--repeats`` timed rounds. A round runs every concurrency's waves one at a
+time, each wave on every configuration in turn (the order rotated from wave to wave), and a
+configuration's time at c is the sum of its waves' times: a drift of the machine's speed
+(another tenant of a shared box) then hits every configuration alike, even within a round. A
+short cell is noisy (32 requests at once finish in a third of a second on the CPU), so each
+round runs the prompts ``passes[c]`` times: enough for the fastest configuration's warm-up time
+at c to reach ``--min-cell-seconds`` (the same count for every configuration, so each does the
+same work). Each cell is the median of its rounds; the ratios of auto and of "never drafting"
+to their rivals are also given paired, as the median over rounds of the ratio within a round
+(the better estimate on a noisy machine: a round's drift cancels in its ratio). On a GPU the
+engines share its memory (``--gpu-memory-utilization`` split between them): with a large model,
+pick fewer configurations with ``--only``.
 
 Prints a table (tokens/s and the ratio to the best configuration at each concurrency), writes
 JSON (with the machine, versions and this command) and a PNG to benchmarks/results/. The same
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -58,7 +66,10 @@ def parse_args(argv=None):
                    help="requests per round at every concurrency (in waves of c)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--min-cell-seconds", type=float, default=1.5,
+                   help="passes over the prompts per timed cell: enough for plain decoding's "
+                        "warm-up time at each concurrency to reach this (1 pass: 0)")
     p.add_argument("--only", nargs="+", default=None,
                    help="configuration names to run (plain, dflash, ddtree_B<b>, ddtree_auto, ddtree_paused)")
     p.add_argument("--max-model-len", type=int, default=512)
@@ -147,16 +158,23 @@ def start_engine(args, spec: dict | None, num_engines: int):
     )
 
 
-def timed_round(args, llm, prompts: list[dict], concurrency: int) -> float:
-    """Seconds to run every prompt, in waves of ``concurrency`` requests."""
+def timed_round(args, llms: dict, prompts: list[dict], concurrency: int,
+                passes: int = 1) -> dict[str, float]:
+    """Seconds per configuration to run every prompt ``passes`` times in waves of
+    ``concurrency`` requests, the configurations taking turns wave by wave (rotated)."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    for i in range(0, len(prompts), concurrency):
-        outs = llm.generate(prompts[i:i + concurrency], params, use_tqdm=False)
-        assert all(len(o.outputs[0].token_ids) == args.max_tokens for o in outs)
-    return time.perf_counter() - start
+    waves = [prompts[i:i + concurrency] for i in range(0, len(prompts), concurrency)] * passes
+    names = list(llms)
+    seconds = dict.fromkeys(names, 0.0)
+    for j, wave in enumerate(waves):
+        for name in names[j % len(names):] + names[:j % len(names)]:
+            start = time.perf_counter()
+            outs = llms[name].generate(wave, params, use_tqdm=False)
+            seconds[name] += time.perf_counter() - start
+            assert all(len(o.outputs[0].token_ids) == args.max_tokens for o in outs)
+    return seconds
 
 
 def engine_summary(llm) -> dict:
@@ -175,24 +193,28 @@ def engine_summary(llm) -> dict:
 
 
 def run_all(args, configs: list[tuple[str, dict | None]], prompts: list[dict]) -> list[dict]:
-    """Every engine up at once, then a warm-up round and ``args.repeats`` rotated rounds."""
+    """Every engine up at once, then a warm-up round and ``args.repeats`` timed rounds."""
     engines = [start_engine(args, spec, len(configs)) for _, spec in configs]
+    llms = {name: llm for (name, _), llm in zip(configs, engines)}
+    # round 0 warms every engine up at every batch size, and sizes the cells
+    passes = {}
+    for c in args.concurrency:
+        warm = timed_round(args, llms, prompts, c)
+        passes[c] = max(1, math.ceil(args.min_cell_seconds / min(warm.values())))
+    print(f"passes over the prompts per cell: {passes}", flush=True)
     times = {(name, c): [] for name, _ in configs for c in args.concurrency}
-    pairs = list(zip(configs, engines))
-    for round_ in range(args.repeats + 1):
-        shift = round_ % len(pairs)
-        for (name, _), llm in pairs[shift:] + pairs[:shift]:
-            for c in args.concurrency:
-                seconds = timed_round(args, llm, prompts, c)
-                if round_ > 0:  # round 0 warms every engine up at every batch size
-                    times[name, c].append(seconds)
-                    print(f"  round {round_} {name:14s} c={c:3d}: {seconds:6.2f} s", flush=True)
+    for round_ in range(1, args.repeats + 1):
+        for c in args.concurrency:
+            for name, seconds in timed_round(args, llms, prompts, c, passes[c]).items():
+                times[name, c].append(seconds)
+                print(f"  round {round_} {name:14s} c={c:3d}: {seconds:6.2f} s", flush=True)
     tokens = len(prompts) * args.max_tokens
     rows = []
     for (name, spec), llm in zip(configs, engines):
         row = {"name": name, "speculative_config": spec,
-               "tokens_per_s": {c: tokens / statistics.median(times[name, c])
+               "tokens_per_s": {c: passes[c] * tokens / statistics.median(times[name, c])
                                 for c in args.concurrency},
+               "passes": passes,
                "runs_s": {c: times[name, c] for c in args.concurrency}}
         row.update(engine_summary(llm))
         rows.append(row)
@@ -219,6 +241,12 @@ def plot(rows: list[dict], concurrency: list[int], path: str, title: str) -> Non
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def paired(base: dict, other: dict, c: int) -> float:
+    """Median over rounds of ``other``'s throughput / ``base``'s in the same round: both ran
+    wave by wave side by side, so a round's drift cancels in its ratio."""
+    return statistics.median(b / o for b, o in zip(base["runs_s"][c], other["runs_s"][c]))
 
 
 def main(argv=None) -> None:
@@ -249,18 +277,22 @@ def main(argv=None) -> None:
             rival = max(others, key=lambda r: r["tokens_per_s"][c]) if others else None
             if rival is not None:
                 summary[c] = {"best_of_plain_and_static": rival["name"],
-                              "auto_over_it": auto["tokens_per_s"][c] / rival["tokens_per_s"][c]}
+                              "auto_over_it": auto["tokens_per_s"][c] / rival["tokens_per_s"][c],
+                              "auto_over_it_paired": paired(rival, auto, c)}
             paused = next((r for r in rows if r["name"] == "ddtree_paused"), None)
             plain = next((r for r in rows if r["name"] == "plain"), None)
             if paused is not None and plain is not None and c in summary:
                 summary[c]["paused_over_plain"] = (paused["tokens_per_s"][c]
                                                    / plain["tokens_per_s"][c])
-        print("\nauto / best of plain and static B: " + ", ".join(
-            f"c={c}: {v['auto_over_it']:.3f} (vs {v['best_of_plain_and_static']})"
-            for c, v in summary.items()))
+                summary[c]["paused_over_plain_paired"] = paired(plain, paused, c)
+        print("\nauto / best of plain and static B (ratio of medians; median of per-round "
+              "ratios): " + ", ".join(
+                  f"c={c}: {v['auto_over_it']:.3f}; {v['auto_over_it_paired']:.3f} "
+                  f"(vs {v['best_of_plain_and_static']})" for c, v in summary.items()))
         if all("paused_over_plain" in v for v in summary.values()):
             print("never drafting (the floor of any policy) / plain: " + ", ".join(
-                f"c={c}: {v['paused_over_plain']:.3f}" for c, v in summary.items()))
+                f"c={c}: {v['paused_over_plain']:.3f}; {v['paused_over_plain_paired']:.3f}"
+                for c, v in summary.items()))
     tag = "cpu" if device.startswith("CPU") else device.lower().replace(" ", "_")
     out = args.out or os.path.join(RESULTS, f"budget_policy_{tag}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)

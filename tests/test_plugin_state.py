@@ -71,6 +71,21 @@ def test_last_token_gets_no_drafts():
     assert drafts == [[]]  # one token left: it is the next bonus
 
 
+def test_a_step_without_a_query_pass_forgets_every_proposal():
+    """A paused step (no query pass, no drafts sent): older proposals can never be matched
+    again (as clip_drafts drops the proposals of requests the latest proposal did not cover),
+    and the policy counts one request-step of 0 nodes per request."""
+    state, tree = proposed_state()
+    state.no_drafts(3)
+    assert not any(r in state.proposals for r in "abc")
+    stats = state.budgets.stats
+    assert (stats.steps, stats.requests, stats.nodes, stats.budgets) == (1, 3, 0, {0: 3})
+    # drafts equal to the forgotten proposal are verified as a chain, not as its tree
+    drafts = tree.token_ids[0, :3]
+    verify = state.begin_verify(["a"], [3], drafts, [0], 4)
+    assert verify.matched.tolist() == [False]
+
+
 def test_a_proposal_waits_for_its_verify_step():
     """"a" is left out of the step after its proposal (the token budget ran out) while "b" is
     verified and proposed again; when "a" is scheduled later with the drafts it was given, it

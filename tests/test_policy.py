@@ -16,6 +16,7 @@ from vllm_ddtree.plugin.policy import (
     FIRST_PAUSE,
     MIN_MEASURED,
     PAUSE_AFTER,
+    REMEASURE_AFTER,
     BudgetController,
     MeasuredRate,
 )
@@ -157,15 +158,44 @@ def test_a_drafter_slower_than_plain_decoding_is_paused_whatever_the_model_says(
     assert measured["1-1 requests, plain"] == pytest.approx(1 / 0.005, rel=0.01)
 
 
+def paused_runs(ran: list[bool]) -> list[tuple[int, int]]:
+    """(first step, length) of every run of steps in which the drafter did not run."""
+    runs = []
+    for i, r in enumerate(ran):
+        if not r:
+            if runs and runs[-1][0] + runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((i, 1))
+    return runs
+
+
 def test_a_drafter_faster_than_plain_decoding_keeps_drafting(monkeypatch):
-    """Drafting steps: 10 ms for 3 tokens (3.3 ms a token), plain: 5 ms a token. After the one
-    exploration pause, the drafter runs every step."""
+    """Drafting steps: 10 ms for 3 tokens (3.3 ms a token), plain: 5 ms a token. The drafter
+    runs every step but for the exploration pause and, every REMEASURE_AFTER steps, a pause
+    of the same length that measures plain decoding again."""
     engine = Engine(monkeypatch)
-    ran = [engine.step(0.010, 3, 0.005) for _ in range(300)]
-    assert ran.count(False) == FIRST_PAUSE
-    assert all(ran[EXPLORE_AFTER + 2 + FIRST_PAUSE:])
+    ran = [engine.step(0.010, 3, 0.005) for _ in range(700)]
+    first = EXPLORE_AFTER + 2
+    period = 1 + FIRST_PAUSE + REMEASURE_AFTER
+    assert paused_runs(ran) == [(first + k * period, FIRST_PAUSE) for k in range(3)]
     measured = engine.ctl.summary()["measured_tokens_per_s"]
     assert measured["1-1 requests, drafting"] > measured["1-1 requests, plain"]
+
+
+def test_a_plain_rate_measured_in_a_slow_spell_does_not_keep_the_drafter_on(monkeypatch):
+    """Plain decoding is first measured while the machine is slow (20 ms a step), so drafting
+    (10 ms for 3 tokens) wins. The machine recovers (plain: 2 ms a token, better than
+    drafting's 3.3): the next re-measurement starts a fresh plain average, and the measured
+    rates pause the drafter."""
+    engine = Engine(monkeypatch)
+    slow = [engine.step(0.010, 3, 0.020) for _ in range(100)]
+    assert paused_runs(slow) == [(EXPLORE_AFTER + 2, FIRST_PAUSE)]
+    fast = [engine.step(0.010, 3, 0.002) for _ in range(REMEASURE_AFTER + 200)]
+    assert sum(fast[:REMEASURE_AFTER - 100]) == REMEASURE_AFTER - 100  # the stale rate holds
+    assert sum(fast[-100:]) <= 2  # re-measured: only probes draft
+    measured = engine.ctl.summary()["measured_tokens_per_s"]
+    assert measured["1-1 requests, plain"] == pytest.approx(1 / 0.002, rel=0.01)
 
 
 def test_which_steps_are_measured(monkeypatch):
@@ -205,7 +235,9 @@ def test_a_drafter_that_becomes_faster_than_plain_decoding_drafts_again(monkeypa
     slow = [engine.step(0.016, 2.5, 0.005) for _ in range(300)]
     assert sum(slow[200:]) <= 2
     fast = [engine.step(0.008, 3, 0.005) for _ in range(3000)]
-    assert all(fast[-200:])
+    # drafting again: only the periodic plain re-measurements pause it
+    runs = paused_runs(fast[-600:])
+    assert 1 <= len(runs) <= 3 and all(length == FIRST_PAUSE for _, length in runs), runs
 
 
 def test_once_measured_the_rates_decide_whether_to_draft_and_the_model_sizes_trees(monkeypatch):

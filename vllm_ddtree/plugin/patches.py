@@ -20,7 +20,7 @@ must exist with the parameters it expects.
 6. ``GPUModelRunner._prepare_inputs``: build the verify trees; depth positions in place.
    A step in which no request has drafts and the budget policy does not draft at its end (a
    paused drafter) is prepared as vLLM prepares a step without speculation (no spec-decode
-   metadata), so a paused drafter's steps cost what plain decoding's do.
+   metadata and none of its index arithmetic).
 7. ``GPUModelRunner._sample``: after the walk, compact the accepted path's K/V; a step without
    drafts samples with vLLM's own sampler. ``GPUModelRunner.sample_tokens``: the step's emitted
    token count (vLLM's host lists) goes to the "auto" policy's measured rates.
@@ -588,7 +588,9 @@ def _wrap_input_fits_in_drafter(original):
             return original(self, common_attn_metadata)
         # committed after this step <= seq_len - m + min(m, L); the drafter adds L + 1 queries
         seq_lens = common_attn_metadata.seq_lens_cpu_upper_bound  # vLLM's host copy
-        if seq_lens is None:  # no host copy: the longest sequence bounds them all (no sync)
+        if seq_lens is None or not state.last_num_draft:
+            # no host copy (the longest sequence bounds them all, no sync), or no drafts in
+            # this step (m = 0: the longest sequence, from the same host copy, is the bound)
             longest = common_attn_metadata.max_seq_len
         else:
             seq_lens = seq_lens.tolist()[: common_attn_metadata.num_reqs]
@@ -611,8 +613,7 @@ def _wrap_take_draft_token_ids(original):
             # A step that drafted nothing (propose_draft_token_ids, the only source of a list):
             # the policy still counts it, but the scheduler cleared every request's drafts when
             # it scheduled them, so there is nothing to send (None skips its update).
-            state.clip_drafts(self.input_batch.req_ids, self._draft_token_ids, self.requests,
-                              self.max_model_len)
+            state.no_drafts(len(self._draft_token_ids))
             return None
         drafts = original(self)
         if drafts is not None:

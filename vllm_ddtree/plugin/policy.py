@@ -42,9 +42,12 @@ measured rates alone decide whether to draft: a drafting step answers "no" whene
 measured tokens per second fall below plain decoding's, and "yes" otherwise, whatever the model
 said (its trees are then the best given that the drafter runs, not compared with plain
 decoding): a cost the model cannot see (the CPU's tree attention, an unlucky drafter on this
-traffic) cannot keep a losing drafter on, and a cost it overrates cannot keep a paying one off. A bucket that has drafted
-``EXPLORE_AFTER`` measured steps with no plain ones pauses once for ``FIRST_PAUSE`` steps to
-measure them. Steps that draft without verifying (the first of a probe) and steps with a
+traffic) cannot keep a losing drafter on, and a cost it overrates cannot keep a paying one off.
+A bucket that has drafted ``EXPLORE_AFTER`` measured steps with no plain ones pauses once for
+``FIRST_PAUSE`` steps to measure them, and while drafting keeps paying it re-measures plain
+decoding the same way every ``REMEASURE_AFTER`` steps, starting its plain average afresh: a
+plain rate measured while the machine was slow (another tenant's burst) must not keep a drafter
+on that no longer pays. Steps that draft without verifying (the first of a probe) and steps with a
 prefill are not counted.
 """
 
@@ -68,6 +71,7 @@ SCALE_EMA = 0.1  # weight of each new step-time observation in the online correc
 MEASURED_EMA = 0.1  # weight of each step in a bucket's measured drafting / plain rates
 MIN_MEASURED = 4  # steps of each kind before the measured rates can say "no"
 EXPLORE_AFTER = 16  # measured drafting steps after which a bucket with no plain ones pauses
+REMEASURE_AFTER = 256  # steps after which a drafting bucket measures plain decoding again
 LOG_INTERVAL_S = 10.0  # the periodic log line (vLLM's stats interval)
 
 
@@ -121,6 +125,7 @@ class BudgetController:
         self._last: tuple[float, int, int, bool] | None = None
         self._emitted: int | None = None  # tokens the step in flight emitted (sample_tokens)
         self._measured: dict[tuple[int, bool], MeasuredRate] = {}  # (bucket, drafting) -> rate
+        self._remeasure_at: dict[int, int] = {}  # batch bucket -> step to re-measure plain
         self._drafting_now = True
         self.stats = PolicyStats()
         self._totals = PolicyStats()
@@ -223,13 +228,20 @@ class BudgetController:
         return on.tokens_per_s() >= off.tokens_per_s()
 
     def _explore_plain(self, bucket: int) -> None:
-        """Pause once for ``FIRST_PAUSE`` steps when drafting has been measured
-        ``EXPLORE_AFTER`` times here and plain decoding too rarely to compare."""
+        """Pause for ``FIRST_PAUSE`` steps to measure plain decoding: once when drafting has
+        been measured ``EXPLORE_AFTER`` times here and plain decoding too rarely to compare,
+        then every ``REMEASURE_AFTER`` steps (a fresh plain average)."""
         on, off = self._measured.get((bucket, True)), self._measured.get((bucket, False))
-        if (on is not None and on.steps >= EXPLORE_AFTER
-                and (off is None or off.steps < MIN_MEASURED)
-                and self._pause_until.get(bucket, 0) <= self.step):
-            self._pause_until[bucket] = self.step + 1 + FIRST_PAUSE
+        if on is None or on.steps < EXPLORE_AFTER or self._pause_until.get(bucket, 0) > self.step:
+            return
+        if off is not None and off.steps >= MIN_MEASURED:
+            if bucket not in self._remeasure_at:  # plain was measured while paused
+                self._remeasure_at[bucket] = self.step + REMEASURE_AFTER
+            if self.step < self._remeasure_at[bucket]:
+                return
+            self._measured[(bucket, False)] = MeasuredRate()
+        self._pause_until[bucket] = self.step + 1 + FIRST_PAUSE
+        self._remeasure_at[bucket] = self.step + 1 + FIRST_PAUSE + REMEASURE_AFTER
 
     # --- verification and step timing ------------------------------------------------------
 

@@ -142,6 +142,9 @@ class ProposalStore:
             if slot is not None:
                 self._free.append(slot)
 
+    def clear(self) -> None:
+        self.drop(list(self._slot_of))
+
     def keep_only(self, live_req_ids) -> None:
         """Forget the proposals of requests that no longer exist (finished, aborted)."""
         self.drop([req_id for req_id in self._slot_of if req_id not in live_req_ids])
@@ -207,6 +210,13 @@ class TreeState:
         # Queued before vLLM's own copy of the draft ids, whose event vLLM waits on before it
         # reads them: read in clip_drafts after that wait, so this adds no synchronisation.
         self._latest_depths = tree.depths.to(torch.int16).to("cpu", non_blocking=True)
+
+    def no_drafts(self, num_reqs: int) -> None:
+        """:meth:`clip_drafts` for a step whose drafter did not run its query pass (paused by
+        the policy): no request sends drafts, so no older proposal may be matched again."""
+        self._latest_depths, self._latest_rows = None, {}
+        self.proposals.clear()
+        self.budgets.drafts_sent([], [0] * num_reqs)
 
     def clip_drafts(self, req_ids: list[str], drafts: list[list[int]], requests: dict,
                     max_model_len: int) -> None:
