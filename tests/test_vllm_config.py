@@ -13,13 +13,12 @@
 4. The refusal is ddtree-only: plain decoding and vLLM's own dflash accept the same requests.
 """
 
+import inspect
 import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-
-import inspect
 
 import pytest
 from vllm_utils import DRAFTER, TARGET, close, ddtree_spec, make_llm
@@ -428,6 +427,8 @@ def test_require_one_read_checks_what_the_prepare_patch_relies_on():
     with pytest.raises(ImportError, match=r"reads_twice no longer reads self\.speculative_config"):
         _require_one_read(reads_twice, "self.speculative_config",
                           "use_spec_decode = self.speculative_config is not None")
+    with pytest.raises(ImportError, match=r"cannot read the source of len"):  # no sources
+        _require_one_read(len, "self.speculative_config", "")
 
 
 # 3. per-request rejection (one real engine) --------------------------------------------------

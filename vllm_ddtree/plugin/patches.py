@@ -76,7 +76,13 @@ def _require(owner, name: str, params: tuple[str, ...] = ()):
 
 def _require_one_read(func, attr: str, line: str) -> None:
     """``func`` reads ``attr`` exactly once, in ``line`` (a patch relies on what it decides)."""
-    source = inspect.getsource(func)
+    try:
+        source = inspect.getsource(func)
+    except (OSError, TypeError) as e:  # installed without sources: the check cannot be made
+        raise ImportError(
+            f"vllm-ddtree: cannot read the source of {func.__qualname__} to check how it reads "
+            f"{attr}; install vLLM with its Python sources"
+        ) from e
     if source.count(attr) != 1 or line not in source:
         raise ImportError(
             f"vllm-ddtree: {func.__qualname__} no longer reads {attr} only in `{line}`; this "
