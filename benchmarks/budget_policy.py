@@ -68,8 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--min-cell-seconds", type=float, default=1.5,
-                   help="passes over the prompts per timed cell: enough for plain decoding's "
-                        "warm-up time at each concurrency to reach this (1 pass: 0)")
+                   help="passes over the prompts per timed cell: enough for the fastest "
+                        "configuration's warm-up time at each concurrency to reach this "
+                        "(1 pass: 0)")
     p.add_argument("--only", nargs="+", default=None,
                    help="configuration names to run (plain, dflash, ddtree_B<b>, ddtree_auto, ddtree_paused)")
     p.add_argument("--max-model-len", type=int, default=512)

@@ -47,8 +47,8 @@ A bucket that has drafted ``EXPLORE_AFTER`` measured steps with no plain ones pa
 ``FIRST_PAUSE`` steps to measure them, and while drafting keeps paying it re-measures plain
 decoding the same way every ``REMEASURE_AFTER`` steps, starting its plain average afresh: a
 plain rate measured while the machine was slow (another tenant's burst) must not keep a drafter
-on that no longer pays. Steps that draft without verifying (the first of a probe) and steps with a
-prefill are not counted.
+on that no longer pays. Steps that draft without verifying (the first of a probe) and steps with
+a prefill are not counted.
 """
 
 from __future__ import annotations
