@@ -111,3 +111,31 @@ def test_a_proposal_waits_for_its_verify_step():
     assert verify.tree.parents[0, :3].tolist() == [-1, 0, 1]
     state.proposals.keep_only({"b"})
     assert "a" not in state.proposals and "b" in state.proposals
+
+
+def test_context_is_complete_only_where_no_cold_step_wrote():
+    """Drafter context validity per K/V slot: before any cold step every request is complete
+    (None: nothing to check); a cold step's slots lose their context, a context pass writing
+    them again restores it. Oracle: the slots of each request's computed positions, by hand
+    (block_size 4: position p of a request with blocks [b0, b1] is slot b_(p // 4) * 4 + p % 4)."""
+    state = TreeState(DDTreeOptions(budget=BUDGET, depth=DEPTH), torch.device("cpu"))
+    state.allocate_context_validity(6 * 4)
+    table = torch.tensor([[3, 1], [2, 5], [4, 0]], dtype=torch.int32)
+    assert state.context_complete(table, [6, 5, 3], 4) is None
+    state.context_written(torch.tensor([12, 13]))  # before any cold step: nothing to record
+    assert state.plan_step(["a", "b"]) == "draft"  # static: always drafts
+    # a cold step writes position 5 of request "a" (slot 1 * 4 + 1) and position 4 of "b"
+    # (slot 5 * 4 + 0): both requests can no longer draft
+    state.went_cold(["a", "b"], torch.tensor([5, 20]))
+    assert state.cold_reqs == {"a", "b"}
+    assert state.context_complete(table, [6, 5, 3], 4).tolist() == [False, False, True]
+    assert state.context_complete(table, [5, 4, 3], 4).tolist() == [True, True, True]
+    state.context_written(torch.tensor([5]))
+    assert state.context_complete(table, [6, 5, 3], 4).tolist() == [True, False, True]
+    assert state.context_complete(table[:0], [], 4).tolist() == []
+    # fewer than half of the requests can draft: the drafter keeps its context instead
+    assert state.plan_step(["a", "b", "c"]) == "context"
+    assert state.plan_step(["a", "c"]) == "draft"
+    assert state.plan_step(["a", "b"]) == "cold"  # nobody can use the drafter's context
+    state.forget_finished({"b": None, "c": None})
+    assert state.cold_reqs == {"b"}

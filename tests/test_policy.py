@@ -257,3 +257,27 @@ def test_once_measured_the_rates_decide_whether_to_draft_and_the_model_sizes_tre
     assert ctl.budget(1, None)(scores, depths).tolist() == [1]
     # another batch bucket has no measurements: the model still decides there
     assert ctl.budget(2, None)(scores.expand(2, 2), depths.expand(2, 2)).tolist() == [0, 0]
+
+
+def test_long_pauses_go_cold_until_warm_up_steps_before_the_probe():
+    """Auto skips even the context pass in a pause, except in its last WARM_UP steps (and in
+    the probe); the static and table policies always keep the drafter's context."""
+    assert policy.WARM_UP == 32
+    ctl = controller()
+    pauses = []  # per pause: its steps, True where the drafter keeps its context
+    while len(pauses) < 6:
+        assert ctl.keeps_context(1)  # the probe (and the first two steps)
+        run_step(ctl, 1, [0])
+        pause = []
+        while not ctl.will_draft(1):
+            pause.append(ctl.keeps_context(1))
+            run_step(ctl, 1, [0])
+        pauses.append(pause)
+    assert [len(p) for p in pauses] == [0, 8, 16, 32, 64, 128]
+    for pause in pauses:
+        cold = max(len(pause) - 32, 0)
+        assert pause == [False] * cold + [True] * (len(pause) - cold)
+    for policy_ in ("static", [[4, 0]]):
+        other = BudgetController(DDTreeOptions(budget=16, depth=7, budget_policy=policy_),
+                                 torch.device("cpu"))
+        assert other.keeps_context(1) and other.keeps_context(64)

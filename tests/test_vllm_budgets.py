@@ -201,3 +201,48 @@ def test_a_paused_drafters_steps_are_prepared_as_plain_decoding(baseline, monkey
     assert prepared and not any(prepared)
     assert spec_metrics(llm)["vllm:spec_decode_num_drafts"] > 0
     close(llm)
+
+
+def test_a_cold_drafter_drafts_only_for_requests_with_a_complete_context(synthetic_auto,
+                                                                         monkeypatch):
+    """Auto's long pauses go cold (no context pass; WARM_UP 0 makes every pause cold): outputs
+    stay those of plain decoding. When drafting pays again (FREE_COST, pauses lifted), a
+    request whose prefix-cache hit covers positions written in cold steps drafts nothing (its
+    drafter context has holes), and a new request drafts with its usual acceptance. Without
+    the context check the follow-up request would draft (every node pays): this can fail."""
+    from vllm_ddtree.plugin import policy
+
+    use, steps = synthetic_auto
+    monkeypatch.setattr(policy, "WARM_UP", 0)
+    first = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    plain = make_llm(None, **ENGINE)
+    (out,) = plain.generate([PROMPTS[0]], first, use_tqdm=False)
+    # a follow-up turn: the first request's text, whose first two K/V blocks (128 positions
+    # each on the CPU) are in the prefix cache (a drafter that uses the target's hidden states
+    # recomputes the last block of a hit: the follow-up gets the first)
+    follow_up = {"prompt_token_ids": list(out.prompt_token_ids) + list(out.outputs[0].token_ids)}
+    expected = _token_ids(plain.generate([follow_up, PROMPTS[1]], GREEDY, use_tqdm=False))
+    expected_first = list(out.outputs[0].token_ids)
+    close(plain)
+
+    use(NEVER_COST)
+    llm = make_llm(ddtree_spec(16, ddtree_budget_policy="auto"), **ENGINE)
+    state = ddtree_state(llm)
+    assert _token_ids(llm.generate([PROMPTS[0]], first, use_tqdm=False)) == [expected_first]
+    # cold from the first long pause on: the request can never draft again
+    assert state.ever_cold and state.budgets.summary()["drafter_cold_fraction"] > 0.5
+
+    def drafts_for(prompt):
+        state.budgets.set_cost_model(FREE_COST)
+        state.budgets._pause_until.clear()
+        state.budgets._pause.clear()
+        before = spec_metrics(llm).get("vllm:spec_decode_num_drafts", 0)
+        ids = _token_ids(llm.generate([prompt], GREEDY, use_tqdm=False))
+        return ids[0], spec_metrics(llm).get("vllm:spec_decode_num_drafts", 0) - before
+
+    ids, num_drafts = drafts_for(follow_up)
+    assert ids == expected[0] and num_drafts == 0
+    ids, num_drafts = drafts_for(PROMPTS[1])
+    assert ids == expected[1] and num_drafts > 0
+    assert mean_acceptance_length(spec_metrics(llm)) > 1.3
+    close(llm)

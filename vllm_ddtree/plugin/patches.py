@@ -29,9 +29,10 @@ must exist with the parameters it expects.
 8b. ``GPUModelRunner.take_draft_token_ids``: each request sends only its real nodes (its
    budget), and near ``max_tokens`` / ``max_model_len`` only those that can still be accepted.
 8c. ``GPUModelRunner.propose_draft_token_ids``: a step in which the budget policy drafts
-   nothing runs only the drafter's context pass (``DDTreeProposer.store_context``) and sends
-   empty drafts, skipping vLLM's drafter input preparation; ``take_draft_token_ids`` then
-   sends none.
+   nothing runs only the drafter's context pass (``DDTreeProposer.store_context``), or in
+   auto's long pauses not even that (``DDTreeProposer.skip_context``), and sends empty
+   drafts, skipping vLLM's drafter input preparation; ``take_draft_token_ids`` then sends
+   none. What the step does is planned in ``_prepare_inputs`` (``TreeState.plan_step``).
 8d. ``Worker.compile_or_warm_up_model`` (GPU and CPU workers): after vLLM's warm-up, the
    "auto" budget policy measures the step costs of this engine (``costs.py``).
 9. ``CPU_ATTN`` and ``TRITON_ATTN`` backend overrides: tree attention on the CPU and on CUDA
@@ -461,6 +462,9 @@ def _wrap_initialize_kv_cache(original):
         # the layers are final now: refuse what the tree kernels cannot compute, before serving
         check_attention_layers(self.compilation_config.static_forward_context,
                                getattr(self.drafter, "_draft_attn_layer_names", ()) or ())
+        group = self.kv_cache_config.kv_cache_groups[self.drafter.kv_cache_gid]
+        self.ddtree_state.allocate_context_validity(
+            self.kv_cache_config.num_blocks * group.kv_cache_spec.block_size)
         self.ddtree_compactor = KVCompactor(self)
         self.ddtree_compactor.warm_up()
         if self.device.type == "cuda":
@@ -485,8 +489,8 @@ def _wrap_prepare_inputs(original):
         state = getattr(self, "ddtree_state", None)
         if state is None:
             return original(self, scheduler_output, num_scheduled_tokens)
-        if (any(scheduler_output.scheduled_spec_decode_tokens.values())
-                or state.budgets.will_draft(self.input_batch.num_reqs)):
+        plan = state.plan_step(self.input_batch.req_ids[: self.input_batch.num_reqs])
+        if any(scheduler_output.scheduled_spec_decode_tokens.values()) or plan == "draft":
             result = original(self, scheduler_output, num_scheduled_tokens)
         else:
             # A plain decoding step (no drafts to verify, none to make at its end): vLLM's own
@@ -501,7 +505,7 @@ def _wrap_prepare_inputs(original):
         import torch
 
         _, spec_decode_metadata, _ = result
-        state.proposals.keep_only(self.requests)  # finished and aborted requests
+        state.forget_finished(self.requests)  # finished and aborted requests
         num_tokens = int(num_scheduled_tokens.sum())
         state.chain_positions = self.positions[:num_tokens].clone()
         _attach_state_to_builders(self, state)
@@ -650,13 +654,17 @@ def _wrap_propose_draft_token_ids(original):
                                 hidden_states, sample_hidden_states, aux_hidden_states,
                                 *args, **kwargs):
         state = getattr(self, "ddtree_state", None)
-        if state is None or state.budgets.drafting(self.input_batch.num_reqs):
+        if state is None or state.budgets.drafting(self.input_batch.num_reqs,
+                                                   state.plan == "draft"):
             return original(self, scheduler_output, sampled_token_ids, sampling_metadata,
                             hidden_states, sample_hidden_states, aux_hidden_states,
                             *args, **kwargs)
         import torch
 
         num_tokens = scheduler_output.total_num_scheduled_tokens
+        if state.plan == "cold":
+            self.drafter.skip_context(num_tokens)
+            return [[] for _ in self.input_batch.req_ids]
         # a new tensor (the aux outputs are the model's buffers): the drafter may keep it
         self.drafter.store_context(torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1),
                                    num_tokens)

@@ -14,7 +14,11 @@ K/V of the step's new tokens in its cache (DFlash's context pass, a few small GE
 its query pass, the lm_head and the tree build, and the scheduler gets no drafts, so the next
 step is a plain decoding step. This stays correct because verification never depends on the
 drafter (no drafts: vLLM's own sampler), and the drafter's cache stays complete, so when
-drafting resumes its context is exactly the committed text.
+drafting resumes its context is exactly the committed text. In auto's long pauses, until
+``WARM_UP`` steps before the probe, the drafter goes cold: it skips even the context pass
+(:meth:`BudgetController.keeps_context`). The requests of a cold step then lack context and
+draft nothing (``TreeState.plan_step``, ``TreeState.context_complete``); still correct, as
+verification never depends on what the drafter proposes.
 
 "auto" pauses the drafter when even its best tree does not beat plain decoding (by the model
 until this regime has both kinds of step measured, then by the measured rates below) in
@@ -72,6 +76,7 @@ MEASURED_EMA = 0.1  # weight of each step in a bucket's measured drafting / plai
 MIN_MEASURED = 4  # steps of each kind before the measured rates can say "no"
 EXPLORE_AFTER = 16  # measured drafting steps after which a bucket with no plain ones pauses
 REMEASURE_AFTER = 256  # steps after which a drafting bucket measures plain decoding again
+WARM_UP = 32  # steps before a probe from which a paused drafter keeps its context again
 LOG_INTERVAL_S = 10.0  # the periodic log line (vLLM's stats interval)
 
 
@@ -100,6 +105,7 @@ class PolicyStats:
 
     steps: int = 0  # proposal steps
     drafted: int = 0  # ... in which the drafter ran its query pass
+    cold: int = 0  # ... in which it skipped even its context pass
     requests: int = 0  # request-steps (one per request per proposal step)
     nodes: int = 0  # nodes sent to the scheduler
     budgets: dict[int, int] = field(default_factory=dict)  # nodes per request -> count
@@ -151,16 +157,30 @@ class BudgetController:
             return self.table.budget(num_reqs) > 0
         return self.step >= self._pause_until.get(self._bucket(num_reqs), 0)
 
-    def drafting(self, num_reqs: int) -> bool:
-        """:meth:`will_draft`, recorded as this step's decision (the drafter is about to run or
-        not; the next step's timing is attributed to it)."""
-        self._drafting_now = self.will_draft(num_reqs)
+    def keeps_context(self, num_reqs: int) -> bool:
+        """Whether a drafter that does not draft this step still runs its context pass: always,
+        except in auto's long pauses, until ``WARM_UP`` steps before the bucket's next probe
+        (so that the requests that arrive from then on can draft in it)."""
+        if self.name != "auto":
+            return True
+        return self.step + WARM_UP >= self._pause_until.get(self._bucket(num_reqs), 0)
+
+    def drafting(self, num_reqs: int, draftable: bool = True) -> bool:
+        """:meth:`will_draft` (and ``draftable``: enough requests have a drafter context),
+        recorded as this step's decision (the drafter is about to run or not; the next step's
+        timing is attributed to it)."""
+        self._drafting_now = draftable and self.will_draft(num_reqs)
         return self._drafting_now
 
-    def budget(self, num_reqs: int, sampled: torch.Tensor | None):
+    def went_cold(self) -> None:
+        self.stats.cold += 1
+
+    def budget(self, num_reqs: int, sampled: torch.Tensor | None,
+               complete: torch.Tensor | None = None):
         """What ``build_tree`` gets as its budget this step: an int, or (auto) a function of
         the ranked candidates. ``sampled``: ``[R]`` bool, requests with T > 0 (None: all
-        greedy)."""
+        greedy); ``complete``: ``[R]`` bool, requests whose drafter context is complete (None:
+        all), the others get no nodes (only auto pauses go cold)."""
         if self.name == "static":
             return self.max_budget
         if self.table is not None:
@@ -176,6 +196,8 @@ class BudgetController:
 
         def budgets(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
             gains = node_gains(scores, depths, factors, sampled)
+            if complete is not None:
+                gains = gains * complete[:, None]
             return auto_budgets(gains, self.cost, on_scale=on_scale, off_scale=off_scale,
                                 versus_plain=versus_plain)
 
@@ -191,9 +213,12 @@ class BudgetController:
         stats.steps += 1
         stats.drafted += int(self._drafting_now)
         stats.requests += len(num_nodes)
-        stats.nodes += sum(num_nodes)
-        for n in num_nodes:
-            stats.budgets[n] = stats.budgets.get(n, 0) + 1
+        if any(num_nodes):
+            stats.nodes += sum(num_nodes)
+            for n in num_nodes:
+                stats.budgets[n] = stats.budgets.get(n, 0) + 1
+        elif num_nodes:  # no request sends nodes (a paused drafter's step)
+            stats.budgets[0] = stats.budgets.get(0, 0) + len(num_nodes)
         if self.name == "auto" and self._drafting_now:
             bucket = self._bucket(len(num_nodes))
             paid = (not budgeted or any(budgeted)) and self._measured_pays(bucket)
@@ -296,6 +321,7 @@ class BudgetController:
             "steps": stats.steps,
             "mean_nodes_per_request_step": stats.nodes / max(stats.requests, 1),
             "drafter_on_fraction": stats.drafted / max(stats.steps, 1),
+            "drafter_cold_fraction": stats.cold / max(stats.steps, 1),
             "budget_histogram": dict(sorted(stats.budgets.items())),
         }
         if self.calibration is not None:
@@ -311,8 +337,8 @@ class BudgetController:
 
     def _merged(self) -> PolicyStats:
         a, b = self._totals, self.stats
-        merged = PolicyStats(a.steps + b.steps, a.drafted + b.drafted, a.requests + b.requests,
-                             a.nodes + b.nodes, dict(a.budgets))
+        merged = PolicyStats(a.steps + b.steps, a.drafted + b.drafted, a.cold + b.cold,
+                             a.requests + b.requests, a.nodes + b.nodes, dict(a.budgets))
         for n, count in b.budgets.items():
             merged.budgets[n] = merged.budgets.get(n, 0) + count
         return merged
@@ -329,8 +355,9 @@ class BudgetController:
                      f"{s['calibration_sampled']} (sampled), cost scales on {s['on_scale']} "
                      f"off {s['off_scale']}, measured tokens/s {s['measured_tokens_per_s']}")
         logger.info("ddtree %s budgets: %.1f nodes per request per step over %d steps, drafter "
-                    "on in %.0f%% of them%s", s["policy"], s["mean_nodes_per_request_step"],
-                    s["steps"], 100 * s["drafter_on_fraction"], extra)
+                    "on in %.0f%% of them, cold in %.0f%%%s", s["policy"],
+                    s["mean_nodes_per_request_step"], s["steps"], 100 * s["drafter_on_fraction"],
+                    100 * s["drafter_cold_fraction"], extra)
         self._totals = self._merged()
         self.stats = PolicyStats()
 

@@ -54,8 +54,16 @@ class DDTreeProposer(DFlashProposer):
         self.flush_context()  # paused steps' context first, then this step's: in order
         num_reqs = kwargs["next_token_ids"].shape[0]
         sampling = sampling_batch(kwargs["sampling_metadata"])
+        complete = None
+        if state.ever_cold:  # requests with a hole in their drafter context draft nothing
+            table = self._runner.input_batch.block_table[self.kv_cache_gid]
+            complete = state.context_complete(
+                table.block_table.gpu,
+                self._runner.input_batch.num_computed_tokens_cpu[:num_reqs].tolist(),
+                table.block_size)
+            state.context_written(self._step_slots(kwargs["target_hidden_states"].shape[0]))
         self._pending_budget = state.budgets.budget(
-            num_reqs, None if sampling is None else ~sampling.is_greedy)
+            num_reqs, None if sampling is None else ~sampling.is_greedy, complete)
         self._pending_tree = None
         super().propose(state.depth, **kwargs)
         tree = self._pending_tree
@@ -95,12 +103,29 @@ class DDTreeProposer(DFlashProposer):
         gather = state.take_gather_index(num_tokens)
         if gather is not None:  # after a tree verify step: accepted rows to chain rows
             hidden = hidden.index_select(0, gather)
-        slots = self._runner.input_batch.block_table[self.kv_cache_gid].slot_mapping.gpu
-        self._kept_context.append(
-            (hidden, state.chain_positions[:num_tokens], slots[:num_tokens].clone()))
+        slots = self._step_slots(num_tokens)
+        state.context_written(slots)
+        self._kept_context.append((hidden, state.chain_positions[:num_tokens], slots.clone()))
         self._kept_rows += num_tokens
         if self._kept_rows >= self._runner.max_num_tokens:
             self.flush_context()
+
+    def skip_context(self, num_tokens: int) -> None:
+        """A cold step (auto's long pauses): not even the context pass. The step's positions
+        get no drafter context, so its requests draft nothing for the rest of their life (and
+        a prefix-cache hit on these positions gives a later request nothing to draft from:
+        :meth:`TreeState.context_complete`); requests that arrive once the drafter keeps its
+        context again draft normally. Saves the context pass's GEMMs and copies per step."""
+        state = self.ddtree_state
+        state.take_gather_index(num_tokens)  # a verify step's rows: not needed
+        batch = self._runner.input_batch
+        state.went_cold(batch.req_ids[: batch.num_reqs], self._step_slots(num_tokens))
+        state.budgets.went_cold()
+
+    def _step_slots(self, num_tokens: int) -> torch.Tensor:
+        """The drafter group's K/V slots of this step's ``num_tokens`` rows (a view)."""
+        table = self._runner.input_batch.block_table[self.kv_cache_gid]
+        return table.slot_mapping.gpu[:num_tokens]
 
     def flush_context(self) -> None:
         """Write the kept context rows of paused steps into the drafter's cache, in order."""

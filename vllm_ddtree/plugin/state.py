@@ -171,6 +171,16 @@ class TreeState:
         # scheduled rows with drafts that were not their request's recorded proposal
         self._unmatched = torch.zeros((), dtype=torch.int64, device=device)
         self.last_num_draft: list[int] = []  # m_r of the latest verify step, host
+        # What the drafter does at the end of the step in flight (plan_step): "draft",
+        # "context" (its context pass only) or "cold" (nothing).
+        self.plan = "context"
+        # Drafter context validity, for auto's cold pauses (steps that skip even the context
+        # pass): per K/V slot of the drafter's group, False when the last step that wrote the
+        # slot's position skipped the context pass. Allocated with the caches; read only once
+        # a step went cold (``ever_cold``). ``cold_reqs``: requests scheduled in a cold step.
+        self.context_valid: torch.Tensor | None = None
+        self.ever_cold = False
+        self.cold_reqs: set[str] = set()
 
     @property
     def num_compacted_slots(self) -> int:
@@ -210,6 +220,69 @@ class TreeState:
         # Queued before vLLM's own copy of the draft ids, whose event vLLM waits on before it
         # reads them: read in clip_drafts after that wait, so this adds no synchronisation.
         self._latest_depths = tree.depths.to(torch.int16).to("cpu", non_blocking=True)
+
+    def plan_step(self, req_ids: list[str]) -> str:
+        """What the drafter does at the end of this step (decided before its forward, kept in
+        :attr:`plan`): ``"draft"`` when the policy drafts and at least half of the requests
+        have a complete drafter context (requests scheduled in a cold step have lost theirs);
+        else ``"context"`` when the policy keeps the drafter's cache (its context pass only)
+        and some request can still use it; else ``"cold"``: nothing, the step's positions lose
+        their drafter context. A new request can use it: it is written from its first step."""
+        budgets, num_reqs = self.budgets, len(req_ids)
+        usable = num_reqs
+        if self.cold_reqs:
+            usable = sum(r not in self.cold_reqs for r in req_ids)
+        if usable and budgets.will_draft(num_reqs) and 2 * usable >= num_reqs:
+            self.plan = "draft"
+        elif usable and budgets.keeps_context(num_reqs):
+            self.plan = "context"
+        else:
+            self.plan = "cold"
+        return self.plan
+
+    def allocate_context_validity(self, num_slots: int) -> None:
+        self.context_valid = torch.ones(num_slots, dtype=torch.bool, device=self.device)
+
+    def context_written(self, slots: torch.Tensor) -> None:
+        """The drafter's context pass writes ``slots`` (device): their context is valid."""
+        if self.ever_cold:  # before the first cold step every slot is valid
+            self.context_valid[slots] = True
+
+    def went_cold(self, req_ids: list[str], slots: torch.Tensor) -> None:
+        """A cold step: the positions it wrote (``slots``) have no drafter context, and its
+        requests can no longer draft (their context has a hole)."""
+        if self.context_valid is None:
+            raise RuntimeError("ddtree: a cold step before the K/V caches exist")
+        self.ever_cold = True
+        self.cold_reqs.update(req_ids)
+        self.context_valid[slots] = False
+
+    def forget_finished(self, live_req_ids) -> None:
+        """Forget the proposals and cold marks of requests that no longer exist."""
+        self.proposals.keep_only(live_req_ids)
+        if self.cold_reqs:
+            self.cold_reqs.intersection_update(live_req_ids)
+
+    def context_complete(self, block_table: torch.Tensor, num_computed: list[int],
+                         block_size: int) -> torch.Tensor | None:
+        """``[R]`` bool (device): whether each request's drafter context is complete, every
+        position before this step (``num_computed[r]`` of them, prefix-cache hits included)
+        last written by a context pass; None when no step ever went cold (all complete).
+
+        ``block_table``: ``[>= R, max_blocks]`` the drafter group's block table. Example:
+        block_size 4, a request with 6 computed positions in blocks [3, 1]: slots
+        12 13 14 15 4 5 must all be valid.
+        """
+        if not self.ever_cold:
+            return None
+        num_reqs, device = len(num_computed), self.device
+        longest = max(num_computed, default=0)
+        pos = torch.arange(longest, device=device)
+        inside = pos[None, :] < to_device(num_computed, torch.int64, device)[:, None]
+        blocks = block_table[:num_reqs, : (longest + block_size - 1) // block_size].long()
+        slots = blocks.gather(1, (pos // block_size).expand(num_reqs, -1)) * block_size \
+            + pos % block_size
+        return (self.context_valid[torch.where(inside, slots, 0)] | ~inside).all(dim=1)
 
     def no_drafts(self, num_reqs: int) -> None:
         """:meth:`clip_drafts` for a step whose drafter did not run its query pass (paused by
