@@ -123,9 +123,10 @@ def drafter_context(llm) -> dict[str, tuple[torch.Tensor, torch.Tensor, int, int
 
 
 def test_a_paused_drafter_keeps_its_context(baseline, synthetic_auto):
-    """While auto pauses the drafter (drafting never pays here), only the drafter's context
-    pass runs (deferred: flushed before the next query pass), and it leaves the drafter's cache
-    exactly as a drafter that drafts every step leaves it: the context K/V of every committed
+    """While auto pauses the drafter (drafting never pays here; its first pauses, 8 and 16
+    steps, are shorter than WARM_UP, so none goes cold), only the drafter's context pass runs
+    (deferred: flushed before the next query pass), and it leaves the drafter's cache exactly
+    as a drafter that drafts every step leaves it: the context K/V of every committed
     position equal (so drafting can resume with the same trees). Without the context pass (a mutant) the generated positions differ: this
     test can fail. Outputs stay those of plain decoding."""
     use, steps = synthetic_auto
