@@ -29,7 +29,7 @@ def controller() -> BudgetController:
 
 def run_step(ctl: BudgetController, num_reqs: int, budgets: list[int] | None) -> bool:
     """One proposal step: whether the drafter ran; ``budgets`` is what its trees got."""
-    ran = ctl.drafting(num_reqs)
+    ran = ctl.drafting(ctl.will_draft(num_reqs))
     if ran:
         ctl.drafts_sent(budgets, budgets)
     else:
@@ -128,7 +128,7 @@ class Engine:
         ctl.step_started(r, r * (1 + 4 * self.verifies), True, self.verifies)
         ctl.tokens_emitted(r * (draft_tokens if self.verifies else 1))
         self.clock[0] += draft_seconds if self.verifies else plain_seconds
-        ran = ctl.drafting(r)
+        ran = ctl.drafting(ctl.will_draft(r))
         ctl.drafts_sent([4] * r if ran else [], [4] * r if ran else [0] * r)
         self.verifies = ran
         return ran
@@ -204,7 +204,7 @@ def test_which_steps_are_measured(monkeypatch):
     ctl.step_started(1, 64, False, False)  # a prefill
     ctl.tokens_emitted(1)
     engine.clock[0] += 0.5
-    ctl.drafting(1)
+    ctl.drafting(ctl.will_draft(1))
     ctl.drafts_sent([4], [4])  # the drafter ran: the next step verifies
     engine.verifies = True
     engine.step(0.010, 3, 0.005)  # verify + draft: the first measured step

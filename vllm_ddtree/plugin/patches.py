@@ -654,8 +654,7 @@ def _wrap_propose_draft_token_ids(original):
                                 hidden_states, sample_hidden_states, aux_hidden_states,
                                 *args, **kwargs):
         state = getattr(self, "ddtree_state", None)
-        if state is None or state.budgets.drafting(self.input_batch.num_reqs,
-                                                   state.plan == "draft"):
+        if state is None or state.budgets.drafting(state.plan == "draft"):
             return original(self, scheduler_output, sampled_token_ids, sampling_metadata,
                             hidden_states, sample_hidden_states, aux_hidden_states,
                             *args, **kwargs)

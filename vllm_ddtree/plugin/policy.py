@@ -165,12 +165,12 @@ class BudgetController:
             return True
         return self.step + WARM_UP >= self._pause_until.get(self._bucket(num_reqs), 0)
 
-    def drafting(self, num_reqs: int, draftable: bool = True) -> bool:
-        """:meth:`will_draft` (and ``draftable``: enough requests have a drafter context),
-        recorded as this step's decision (the drafter is about to run or not; the next step's
-        timing is attributed to it)."""
-        self._drafting_now = draftable and self.will_draft(num_reqs)
-        return self._drafting_now
+    def drafting(self, run: bool) -> bool:
+        """Record whether the drafter runs its query pass at the end of this step (the step's
+        plan, ``TreeState.plan_step``: :meth:`will_draft` and enough requests with a drafter
+        context); the next step's timing is attributed to it. Returns ``run``."""
+        self._drafting_now = run
+        return run
 
     def went_cold(self) -> None:
         self.stats.cold += 1
