@@ -507,8 +507,8 @@ def _wrap_prepare_inputs(original):
         _, spec_decode_metadata, _ = result
         state.forget_finished(self.requests)  # finished and aborted requests
         num_tokens = int(num_scheduled_tokens.sum())
-        state.chain_positions = self.positions[:num_tokens].clone()
-        _attach_state_to_builders(self, state)
+        # the drafter's positions before the depth shift (a cold step's drafter reads none)
+        state.chain_positions = None if plan == "cold" else self.positions[:num_tokens].clone()
         num_reqs = self.input_batch.num_reqs
         num_draft = [] if spec_decode_metadata is None else spec_decode_metadata.num_draft_tokens
         if not any(num_draft):
@@ -518,6 +518,7 @@ def _wrap_prepare_inputs(original):
             state.end_step_without_verify()
             return result
         num_draft = list(num_draft)
+        _attach_state_to_builders(self, state)  # they read the trees of verify steps only
         # a decode-only step: every request runs its last token and its drafts (no prefill)
         state.budgets.step_started(num_reqs, num_tokens, num_tokens == num_reqs + sum(num_draft),
                                    True)
@@ -583,7 +584,8 @@ def _wrap_sample_tokens(original):
         output = original(self, *args, **kwargs)
         state = getattr(self, "ddtree_state", None)
         sampled = getattr(output, "sampled_token_ids", None)
-        if state is not None and isinstance(sampled, list):  # async scheduling is refused
+        # async scheduling is refused, so the ids are a list; only auto measures its steps
+        if state is not None and state.budgets.name == "auto" and isinstance(sampled, list):
             state.budgets.tokens_emitted(sum(len(ids) for ids in sampled))
         return output
 

@@ -246,7 +246,7 @@ class TreeState:
     def context_written(self, slots: torch.Tensor) -> None:
         """The drafter's context pass writes ``slots`` (device): their context is valid."""
         if self.ever_cold:  # before the first cold step every slot is valid
-            self.context_valid[slots] = True
+            self.context_valid.index_fill_(0, slots, True)
 
     def went_cold(self, req_ids: list[str], slots: torch.Tensor) -> None:
         """A cold step: the positions it wrote (``slots``) have no drafter context, and its
@@ -255,7 +255,7 @@ class TreeState:
             raise RuntimeError("ddtree: a cold step before the K/V caches exist")
         self.ever_cold = True
         self.cold_reqs.update(req_ids)
-        self.context_valid[slots] = False
+        self.context_valid.index_fill_(0, slots, False)
 
     def forget_finished(self, live_req_ids) -> None:
         """Forget the proposals and cold marks of requests that no longer exist."""
