@@ -244,6 +244,20 @@ def plot(rows: list[dict], concurrency: list[int], path: str, title: str) -> Non
     fig.savefig(path, dpi=120)
 
 
+def git_commit() -> str | None:
+    """The checkout's commit, with "+changes" if its tracked files differ from it."""
+    import subprocess
+
+    def git(*cmd):
+        return subprocess.run(["git", "-C", REPO, *cmd], capture_output=True, text=True)
+
+    head = git("rev-parse", "--short", "HEAD")
+    if head.returncode != 0:
+        return None  # not a git checkout (a copied tree on a GPU box)
+    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    return head.stdout.strip() + ("+changes" if dirty else "")
+
+
 def paired(base: dict, other: dict, c: int) -> float:
     """Median over rounds of ``other``'s throughput / ``base``'s in the same round: both ran
     wave by wave side by side, so a round's drift cancels in its ratio."""
@@ -299,6 +313,7 @@ def main(argv=None) -> None:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     record = {
         "command": " ".join([os.path.relpath(sys.argv[0], REPO)] + (argv or sys.argv[1:])),
+        "commit": git_commit(),
         "device": device,
         "versions": {"torch": torch.__version__, "vllm": vllm.__version__},
         "settings": {k: v for k, v in vars(args).items() if k != "out"},

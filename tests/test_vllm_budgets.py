@@ -247,3 +247,44 @@ def test_a_cold_drafter_drafts_only_for_requests_with_a_complete_context(synthet
     assert ids == expected[1] and num_drafts > 0
     assert mean_acceptance_length(spec_metrics(llm)) > 1.3
     close(llm)
+
+
+def test_a_prompt_that_arrives_in_a_cold_pause_keeps_its_drafter_context(synthetic_auto,
+                                                                         monkeypatch):
+    """A cold step still writes the drafter context of prompt rows: a long prompt (a shared
+    system prompt, say) served entirely in a cold pause leaves no hole in the prefix cache, so
+    a later request that reuses it drafts, with plain decoding's outputs. Its generated
+    positions were cold, and it never drafted itself. Without the prompt rows' context pass
+    the later request would draft nothing (its prefix-cache hit has holes): this can fail."""
+    from vllm_ddtree.plugin import policy
+
+    use, _ = synthetic_auto
+    monkeypatch.setattr(policy, "WARM_UP", 0)
+    plain = make_llm(None, **ENGINE)
+    (out,) = plain.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=300,
+                                                         ignore_eos=True), use_tqdm=False)
+    # a prompt of over two K/V blocks (128 positions each on the CPU); the later request hits
+    # its first block (the last block of a hit is recomputed for the drafter's hidden states)
+    system = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    later = {"prompt_token_ids": system + list(out.outputs[0].token_ids[:8])}
+    short = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    expected_system = _token_ids(plain.generate([{"prompt_token_ids": system}], short,
+                                                use_tqdm=False))
+    expected_later = _token_ids(plain.generate([later], GREEDY, use_tqdm=False))
+    close(plain)
+
+    use(NEVER_COST)
+    llm = make_llm(ddtree_spec(16, ddtree_budget_policy="auto"), **ENGINE)
+    state = ddtree_state(llm)
+    budgets = state.budgets
+    budgets._pause_until[budgets._bucket(1)] = 10**9  # a long pause: cold from the first step
+    assert _token_ids(llm.generate([{"prompt_token_ids": system}], short,
+                                   use_tqdm=False)) == expected_system
+    assert state.ever_cold and budgets.summary()["drafter_on_fraction"] == 0
+
+    budgets.set_cost_model(FREE_COST)  # drafting pays again
+    budgets._pause_until.clear()
+    assert _token_ids(llm.generate([later], GREEDY, use_tqdm=False)) == expected_later
+    assert spec_metrics(llm).get("vllm:spec_decode_num_drafts", 0) > 0
+    assert mean_acceptance_length(spec_metrics(llm)) > 1.3
+    close(llm)

@@ -664,7 +664,7 @@ def _wrap_propose_draft_token_ids(original):
 
         num_tokens = scheduler_output.total_num_scheduled_tokens
         if state.plan == "cold":
-            self.drafter.skip_context(num_tokens)
+            self.drafter.skip_context(scheduler_output, aux_hidden_states)
             return [[] for _ in self.input_batch.req_ids]
         # a new tensor (the aux outputs are the model's buffers): the drafter may keep it
         self.drafter.store_context(torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1),

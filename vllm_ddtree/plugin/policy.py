@@ -16,9 +16,10 @@ step is a plain decoding step. This stays correct because verification never dep
 drafter (no drafts: vLLM's own sampler), and the drafter's cache stays complete, so when
 drafting resumes its context is exactly the committed text. In auto's long pauses, until
 ``WARM_UP`` steps before the probe, the drafter goes cold: it skips even the context pass
-(:meth:`BudgetController.keeps_context`). The requests of a cold step then lack context and
-draft nothing (``TreeState.plan_step``, ``TreeState.context_complete``); still correct, as
-verification never depends on what the drafter proposes.
+(:meth:`BudgetController.keeps_context`) for the new tokens of running requests (prompt rows
+keep theirs: the prefix cache shares prompts, ``DDTreeProposer.skip_context``). Those requests
+then lack context and draft nothing (``TreeState.plan_step``, ``TreeState.context_complete``);
+still correct, as verification never depends on what the drafter proposes.
 
 "auto" pauses the drafter when even its best tree does not beat plain decoding (by the model
 until this regime has both kinds of step measured, then by the measured rates below) in
@@ -302,7 +303,8 @@ class BudgetController:
             seconds = now - start
             if last_verified and not self._drafting_now:  # a probe answered "no": its verify
                 seconds += self.cost.draft_time(reqs)  # counts, with the drafter it skipped
-            rate = self._measured.setdefault((self._bucket(reqs), last_verified), MeasuredRate())
+            key = (self._bucket(reqs), last_verified)
+            rate = self._measured.get(key) or self._measured.setdefault(key, MeasuredRate())
             rate.add(seconds, emitted)
         predicted = self.cost.verify_time_host(tokens)
         if self._drafting_now:

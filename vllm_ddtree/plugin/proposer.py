@@ -15,6 +15,7 @@ rewritten at chain positions: the drafter layers need no compaction.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
@@ -104,22 +105,55 @@ class DDTreeProposer(DFlashProposer):
         if gather is not None:  # after a tree verify step: accepted rows to chain rows
             hidden = hidden.index_select(0, gather)
         slots = self._step_slots(num_tokens)
-        state.context_written(slots)
-        self._kept_context.append((hidden, state.chain_positions[:num_tokens], slots.clone()))
-        self._kept_rows += num_tokens
+        self._keep_context(hidden, state.chain_positions[:num_tokens], slots.clone())
+
+    def _keep_context(self, hidden: torch.Tensor, positions: torch.Tensor,
+                      slots: torch.Tensor) -> None:
+        """Keep context rows (tensors of their own) for :meth:`flush_context`."""
+        self.ddtree_state.context_written(slots)
+        self._kept_context.append((hidden, positions, slots))
+        self._kept_rows += hidden.shape[0]
         if self._kept_rows >= self._runner.max_num_tokens:
             self.flush_context()
 
-    def skip_context(self, num_tokens: int) -> None:
-        """A cold step (auto's long pauses): not even the context pass. The step's positions
-        get no drafter context, so its requests draft nothing for the rest of their life (and
-        a prefix-cache hit on these positions gives a later request nothing to draft from:
-        :meth:`TreeState.context_complete`); requests that arrive once the drafter keeps its
-        context again draft normally. Saves the context pass's GEMMs and copies per step."""
+    def skip_context(self, scheduler_output, aux_hidden_states: list[torch.Tensor]) -> None:
+        """A cold step (auto's long pauses): no context pass for the rows of running requests.
+        Their positions get no drafter context, so those requests draft nothing for the rest
+        of their life (and a prefix-cache hit on these positions gives a later request
+        nothing to draft from: :meth:`TreeState.context_complete`); requests that arrive once
+        the drafter keeps its context again draft normally. Saves the context pass's GEMMs and
+        copies per step.
+
+        Prompt rows (a request scheduled more tokens than its last token and its drafts: a
+        prefill chunk, or the recomputation of a preempted request) still get their context,
+        kept for the next pass like :meth:`store_context`'s: prompts are what the prefix cache
+        shares (a system prompt), so a prompt that arrived in a pause must not leave holes in
+        the context of every later request that reuses it.
+        """
         state = self.ddtree_state
-        state.take_gather_index(num_tokens)  # a verify step's rows: not needed
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        gather = state.take_gather_index(num_tokens)
         batch = self._runner.input_batch
-        state.went_cold(batch.req_ids[: batch.num_reqs], self._step_slots(num_tokens))
+        req_ids = batch.req_ids[: batch.num_reqs]
+        slots = self._step_slots(num_tokens)
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        if num_tokens == len(req_ids) + sum(len(d) for d in spec.values()):
+            state.went_cold(req_ids, slots)  # decode rows only (the common case)
+        else:
+            counts = [scheduler_output.num_scheduled_tokens[r] for r in req_ids]
+            prompt = np.array([n > 1 + len(spec.get(r, ())) for r, n in zip(req_ids, counts)])
+            is_prompt_row = np.repeat(prompt, counts)  # host indices: no device sync
+            rows, others = (torch.from_numpy(np.flatnonzero(m)).to(self.device)
+                            for m in (is_prompt_row, ~is_prompt_row))
+            hidden = torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)
+            if gather is not None:
+                hidden = hidden.index_select(0, gather)
+            # prompt rows are never depth-shifted: the runner's positions are chain positions
+            self._keep_context(hidden.index_select(0, rows),
+                               self._runner.positions[:num_tokens].index_select(0, rows),
+                               slots.index_select(0, rows))
+            state.went_cold([r for r, p in zip(req_ids, prompt) if not p],
+                            slots.index_select(0, others))
         state.budgets.went_cold()
 
     def _step_slots(self, num_tokens: int) -> torch.Tensor:
