@@ -61,10 +61,13 @@ def vllm_tau(args, method: str, num_spec: int, temperature: float) -> dict:
 
     tok = AutoTokenizer.from_pretrained(f"{args.pair}/target")
     prompts = [{"prompt_token_ids": p} for p in heldout_prompts(tok, args.num_prompts, args.prompt_len)]
+    spec = {"method": method, "model": f"{args.pair}/drafter", "num_speculative_tokens": num_spec}
+    if method == "ddtree":
+        spec["ddtree_budget_policy"] = "static"  # tau at budget B in every step
     llm = LLM(
         model=f"{args.pair}/target", dtype="float32", enforce_eager=True, max_model_len=512,
         gpu_memory_utilization=0.3, seed=args.seed, disable_log_stats=False,
-        speculative_config={"method": method, "model": f"{args.pair}/drafter", "num_speculative_tokens": num_spec},
+        speculative_config=spec,
     )
     params = SamplingParams(temperature=temperature, max_tokens=args.max_new_tokens, ignore_eos=True, seed=args.seed)
     t0 = time.time()

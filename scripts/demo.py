@@ -2,13 +2,14 @@
 """DDTree in vLLM's OpenAI-compatible server, end to end, with the committed tiny pair.
 
 Starts ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 (a free port) with
-``--speculative-config '{"method": "ddtree", "model": <drafter>, "num_speculative_tokens": 32}'``,
-waits for /health, sends one chat request with the ``openai`` client, prints the answer and the
-acceptance figures scraped from /metrics, and stops the server (also on error or Ctrl-C).
+``--speculative-config '{"method": "ddtree", "model": <drafter>, "num_speculative_tokens": 32,
+"ddtree_budget_policy": "static"}'``, waits for /health, sends one chat request with the
+``openai`` client, prints the answer and the acceptance figures scraped from /metrics, and stops
+the server (also on error or Ctrl-C).
 
 Usage::
 
-    .venv/bin/python scripts/demo.py                       # DDTree, budget 32
+    .venv/bin/python scripts/demo.py                       # DDTree, static budget 32
     .venv/bin/python scripts/demo.py --method dflash       # vLLM's own DFlash chain (7 drafts)
     .venv/bin/python scripts/demo.py --prompt "def fibonacci(n):" --max-tokens 96 --temperature 0
 """
@@ -43,6 +44,10 @@ def free_port() -> int:
 
 def server_command(pair: str, method: str, num_spec: int, port: int) -> list[str]:
     spec = {"method": method, "model": os.path.join(pair, "drafter"), "num_speculative_tokens": num_spec}
+    if method == "ddtree":
+        # trees in every step, to show them at work: the default policy ("auto") would rightly
+        # pause this drafter on a CPU, where it does not pay (README, "Tree budgets per step")
+        spec["ddtree_budget_policy"] = "static"
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", os.path.join(pair, "target"), "--served-model-name", "tiny",

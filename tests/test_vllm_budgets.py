@@ -288,3 +288,29 @@ def test_a_prompt_that_arrives_in_a_cold_pause_keeps_its_drafter_context(synthet
     assert spec_metrics(llm).get("vllm:spec_decode_num_drafts", 0) > 0
     assert mean_acceptance_length(spec_metrics(llm)) > 1.3
     close(llm)
+
+
+def test_a_failed_cost_measurement_stops_the_engine_and_names_the_fix(monkeypatch):
+    """Auto cannot run without its step cost model: the engine does not start, and the error
+    says how to run without it."""
+    def failing(runner):
+        raise RuntimeError("no clock on this device")
+
+    monkeypatch.setattr(costs, "measure_costs", failing)
+    try:
+        with pytest.raises(Exception) as info:
+            make_llm(ddtree_spec(16, ddtree_budget_policy="auto"), **ENGINE)
+    finally:  # the half-started engine's distributed state must not reach the next test
+        import gc
+
+        from vllm.distributed import cleanup_dist_env_and_memory
+
+        gc.collect()
+        cleanup_dist_env_and_memory()
+    chain = []
+    error = info.value
+    while error is not None:
+        chain.append(str(error))
+        error = error.__cause__ or error.__context__
+    text = " | ".join(chain)
+    assert "no clock on this device" in text and "\"ddtree_budget_policy\": \"static\"" in text

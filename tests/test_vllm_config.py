@@ -161,6 +161,15 @@ def test_invalid_budget_policy(policy, words):
     assert_config_error(ddtree_spec(8, ddtree_budget_policy=policy), *words)
 
 
+@pytest.mark.parametrize("mode, default", [("tree", "auto"), ("hsd_chain", "static")])
+def test_default_budget_policy(mode, default):
+    """Left out, the policy is "auto" for trees and "static" for sampled chains (a fixed
+    length: "auto" would be refused there)."""
+    spec = ddtree_spec(4, ddtree_mode=mode)
+    del spec["ddtree_budget_policy"]
+    assert engine_config(spec).additional_config["ddtree"]["budget_policy"] == default
+
+
 def test_budget_policy_needs_tree_mode():
     assert_config_error(ddtree_spec(4, ddtree_mode="hsd_chain", ddtree_budget_policy="auto"),
                         "ddtree_budget_policy='auto'", "ddtree_mode 'tree'", "'static'")

@@ -110,7 +110,7 @@ def test_drafter_with_other_attention_shapes(tmp_path, budget):
     llm = make_llm(None, **engine)
     expect = _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     close(llm)
-    spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": budget}
+    spec = ddtree_spec(budget, model=drafter)
     llm = make_llm(spec, **engine)
     assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expect
     assert mean_acceptance_length(spec_metrics(llm)) > 1.1
@@ -137,8 +137,7 @@ def test_acceptance_equals_the_transformers_engine(tmp_path, pair):
     prompts = heldout_prompts(tokenizer, 4, prompt_len=48)
     hf = [generate(target, drafter, p, method="ddtree", budget=32, max_new_tokens=max_new)
           for p in prompts]
-    llm = make_llm({"method": "ddtree", "model": drafter_dir, "num_speculative_tokens": 32},
-                   model=target_dir)
+    llm = make_llm(ddtree_spec(32, model=drafter_dir), model=target_dir)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     for i, p in enumerate(prompts):

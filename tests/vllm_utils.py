@@ -22,6 +22,10 @@ PROMPTS = [
 
 
 def ddtree_spec(budget: int, **extra) -> dict:
+    """A ddtree speculative config on the tiny pair. The budget policy is pinned to "static"
+    unless given (the default, "auto", pauses a drafter that does not pay on this CPU: tests of
+    trees need trees in every step)."""
+    extra.setdefault("ddtree_budget_policy", "static")
     return {"method": "ddtree", "model": DRAFTER, "num_speculative_tokens": budget, **extra}
 
 

@@ -10,11 +10,13 @@ User-facing keys (everything else passes through to vLLM's ``SpeculativeConfig``
      "ddtree_budget_policy": "auto"}     # optional: "auto", "static" or [[max_reqs, B], ...]
 
 ``ddtree_budget_policy`` sizes each request's tree per step (``num_speculative_tokens`` is the
-maximum): ``"static"`` gives every request B nodes; a list of ``[max_running_requests,
-budget]`` rows gives every request the budget of the first row whose bound covers the step's
-number of requests (the last row beyond its bound); ``"auto"`` chooses per-request budgets
-that maximise expected tokens per second from the drafter's calibrated node probabilities and
-the step costs the engine measures at start-up (see ``vllm_ddtree/budget.py``).
+maximum): ``"auto"`` (the default in tree mode) chooses per-request budgets that maximise
+expected tokens per second from the drafter's calibrated node probabilities and the step costs
+the engine measures at start-up (see ``vllm_ddtree/budget.py``), and pauses the drafter where
+drafting does not pay; ``"static"`` gives every request B nodes in every step (the default,
+and the only policy, of ``"hsd_chain"``); a list of ``[max_running_requests, budget]`` rows
+gives every request the budget of the first row whose bound covers the step's number of
+requests (the last row beyond its bound).
 
 ``"hsd_chain"`` drafts a chain of ``num_speculative_tokens`` (<= L) tokens SAMPLED from the
 drafter's distributions at each request's temperature and verifies it with the lossless HSD
@@ -32,7 +34,7 @@ from dataclasses import asdict, dataclass
 MAX_BUDGET = 1024  # the Triton kernels and the mask packing are tested up to 1024 nodes
 OPTION_KEYS = ("ddtree_depth", "ddtree_mode", "ddtree_budget_policy")
 POLICIES = ("auto", "static")
-DEFAULT_POLICY = "static"
+DEFAULT_POLICY = "auto"  # tree mode; sampled chains (hsd_chain) draft a fixed length: "static"
 MODES = ("tree", "hsd_chain")
 ADDITIONAL_CONFIG_KEY = "ddtree"
 
@@ -105,7 +107,8 @@ def split_speculative_config(spec: dict) -> tuple[dict, DDTreeOptions]:
     mode = spec.pop("ddtree_mode", "tree")
     if mode not in MODES:
         raise DDTreeConfigError(f"ddtree: ddtree_mode={mode!r} must be one of {list(MODES)}")
-    policy = _budget_policy(spec.pop("ddtree_budget_policy", DEFAULT_POLICY), budget)
+    default = "static" if mode == "hsd_chain" else DEFAULT_POLICY
+    policy = _budget_policy(spec.pop("ddtree_budget_policy", default), budget)
     if mode == "hsd_chain" and policy != "static":
         raise DDTreeConfigError(
             f"ddtree: ddtree_budget_policy={_show(policy)} needs ddtree_mode 'tree'; sampled "

@@ -644,7 +644,15 @@ def _wrap_compile_or_warm_up_model(original):
         if state is not None and state.budgets.name == "auto":
             from vllm_ddtree.plugin.costs import measure_costs
 
-            state.budgets.set_cost_model(measure_costs(self.model_runner))
+            try:
+                cost = measure_costs(self.model_runner)
+            except Exception as error:
+                raise DDTreeConfigError(
+                    f"ddtree: measuring the step costs of ddtree_budget_policy 'auto' at engine "
+                    f"start failed ({type(error).__name__}: {error}); pin a budget instead with "
+                    "\"ddtree_budget_policy\": \"static\" (every request drafts "
+                    "num_speculative_tokens nodes) and report this failure") from error
+            state.budgets.set_cost_model(cost)
         return result
 
     return compile_or_warm_up_model
