@@ -99,11 +99,20 @@ class CostModel:
 
     def draft_time(self, num_requests: int) -> float:
         """Seconds of the drafter and the tree build for ``num_requests`` requests (host)."""
-        return _interpolate_host(num_requests, self.draft_requests, self.draft_seconds)
+        return self._host("draft", num_requests, self.draft_requests, self.draft_seconds)
 
     def verify_time_host(self, num_tokens: int) -> float:
         """:meth:`verify_time` on the host, for one token count."""
-        return _interpolate_host(num_tokens, self.verify_tokens, self.verify_seconds)
+        return self._host("verify", num_tokens, self.verify_tokens, self.verify_seconds)
+
+    def _host(self, curve: str, x: int, xs: tuple, ys: tuple) -> float:
+        """A host interpolation, remembered per (curve, x): the runner asks every step, for
+        the few batch shapes its traffic has."""
+        cache = self.__dict__.setdefault("_host_points", {})
+        key = (curve, x)
+        if key not in cache:
+            cache[key] = _interpolate_host(x, xs, ys)
+        return cache[key]
 
     def to_dict(self) -> dict:
         return {k: list(getattr(self, k)) for k in

@@ -505,8 +505,9 @@ def _wrap_prepare_inputs(original):
         import torch
 
         _, spec_decode_metadata, _ = result
-        state.forget_finished(self.requests)  # finished and aborted requests
-        num_tokens = int(num_scheduled_tokens.sum())
+        if scheduler_output.finished_req_ids:  # the only requests vLLM's runner forgets
+            state.forget_finished(self.requests)  # finished and aborted requests
+        num_tokens = scheduler_output.total_num_scheduled_tokens
         # the drafter's positions before the depth shift (a cold step's drafter reads none)
         state.chain_positions = None if plan == "cold" else self.positions[:num_tokens].clone()
         num_reqs = self.input_batch.num_reqs
@@ -586,7 +587,7 @@ def _wrap_sample_tokens(original):
         sampled = getattr(output, "sampled_token_ids", None)
         # async scheduling is refused, so the ids are a list; only auto measures its steps
         if state is not None and state.budgets.name == "auto" and isinstance(sampled, list):
-            state.budgets.tokens_emitted(sum(len(ids) for ids in sampled))
+            state.budgets.tokens_emitted(sum(map(len, sampled)))
         return output
 
     return sample_tokens

@@ -137,7 +137,7 @@ class DDTreeProposer(DFlashProposer):
         req_ids = batch.req_ids[: batch.num_reqs]
         slots = self._step_slots(num_tokens)
         spec = scheduler_output.scheduled_spec_decode_tokens
-        if num_tokens == len(req_ids) + sum(len(d) for d in spec.values()):
+        if num_tokens == len(req_ids) + sum(map(len, spec.values())):
             state.went_cold(req_ids, slots)  # decode rows only (the common case)
         else:
             counts = [scheduler_output.num_scheduled_tokens[r] for r in req_ids]

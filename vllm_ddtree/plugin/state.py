@@ -231,7 +231,7 @@ class TreeState:
         budgets, num_reqs = self.budgets, len(req_ids)
         usable = num_reqs
         if self.cold_reqs:
-            usable = sum(r not in self.cold_reqs for r in req_ids)
+            usable = num_reqs - len(self.cold_reqs.intersection(req_ids))
         if usable and budgets.will_draft(num_reqs) and 2 * usable >= num_reqs:
             self.plan = "draft"
         elif usable and budgets.keeps_context(num_reqs):
