@@ -31,34 +31,31 @@ PATCHED = ["_prepare_inputs", "_sample", "sample_tokens", "propose_draft_token_i
            "take_draft_token_ids", "_input_fits_in_drafter"]
 
 
-def timed(owner, name: str, totals: collections.Counter, calls: collections.Counter) -> None:
-    """Replace ``owner.name`` by a copy that adds its wall time to ``totals[name]``."""
-    func = getattr(owner, name)
-
-    def wrapper(*args, **kwargs):
+def timing(func, key: str, totals: collections.Counter, calls: collections.Counter):
+    """``func`` with its wall time added to ``totals[key]`` and its calls to ``calls[key]``."""
+    def timed(*args, **kwargs):
         start = time.perf_counter_ns()
         try:
             return func(*args, **kwargs)
         finally:
-            totals[name] += time.perf_counter_ns() - start
-            calls[name] += 1
+            totals[key] += time.perf_counter_ns() - start
+            calls[key] += 1
 
-    setattr(owner, name, wrapper)
+    return timed
 
 
-def time_wrapped_original(patch, name: str, totals: collections.Counter) -> None:
-    """Time the vLLM method a plugin patch wraps (its ``original``, a closure variable)."""
+def time_method(owner, name: str, totals: collections.Counter,
+                calls: collections.Counter) -> None:
+    """Replace ``owner.name`` by a timed copy (key: ``name``)."""
+    setattr(owner, name, timing(getattr(owner, name), name, totals, calls))
+
+
+def time_wrapped_original(patch, name: str, totals: collections.Counter,
+                          calls: collections.Counter) -> None:
+    """Time the vLLM method a plugin patch wraps (its ``original``, a closure variable; key:
+    ``"vllm " + name``)."""
     cell = patch.__closure__[patch.__code__.co_freevars.index("original")]
-    original = cell.cell_contents
-
-    def inner(*args, **kwargs):
-        start = time.perf_counter_ns()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            totals["vllm " + name] += time.perf_counter_ns() - start
-
-    cell.cell_contents = inner
+    cell.cell_contents = timing(cell.cell_contents, "vllm " + name, totals, calls)
 
 
 def main(argv=None) -> None:
@@ -85,7 +82,7 @@ def main(argv=None) -> None:
                          (policy.BudgetController, ["step_started"]),
                          (DDTreeProposer, ["skip_context", "flush_context", "_step_slots"])):
         for name in names:
-            timed(owner, name, totals, calls)
+            time_method(owner, name, totals, calls)
     bench = budget_policy.parse_args([])
     spec = dict(budget_policy.configurations(bench, depth=0))["ddtree_auto"]
     prompts = budget_policy.prompts_for(bench, args.concurrency)
@@ -93,8 +90,8 @@ def main(argv=None) -> None:
     cls = runner_module.GPUModelRunner
     for name in PATCHED:
         patch = getattr(cls, name)
-        time_wrapped_original(patch, name, totals)
-        timed(cls, name, totals, calls)
+        time_wrapped_original(patch, name, totals, calls)
+        time_method(cls, name, totals, calls)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     for _ in range(2):  # warm-up, and the policy's first answers
         llm.generate(prompts, params, use_tqdm=False)
@@ -113,7 +110,7 @@ def main(argv=None) -> None:
         own = totals[name] - totals["vllm " + name]
         print(f"  {name:28s} {own / steps / 1e3:7.1f}")
     print("plugin methods inside them (calls), us per step:")
-    for name in sorted(n for n in calls if n not in PATCHED):
+    for name in sorted(n for n in calls if n not in PATCHED and not n.startswith("vllm ")):
         print(f"  {name:28s} {totals[name] / steps / 1e3:7.1f}  ({calls[name]})")
     llm.llm_engine.engine_core.shutdown()
 
