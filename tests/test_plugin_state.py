@@ -71,15 +71,19 @@ def test_last_token_gets_no_drafts():
     assert drafts == [[]]  # one token left: it is the next bonus
 
 
-def test_a_step_without_a_query_pass_forgets_every_proposal():
-    """A paused step (no query pass, no drafts sent): older proposals can never be matched
-    again (as clip_drafts drops the proposals of requests the latest proposal did not cover),
-    and the policy counts one request-step of 0 nodes per request."""
+def test_a_step_without_a_query_pass_forgets_the_proposals_of_its_requests():
+    """A paused step (no query pass, no drafts sent): the older proposals of the step's
+    requests can never be matched again (the scheduler cleared their drafts when it scheduled
+    them), and the policy counts one request-step of 0 nodes per request. A request that was
+    not in the step ("c": the token budget ran out) keeps its proposal: the scheduler still
+    holds its drafts and will verify them (forgetting it made those rows unmatched chains)."""
     state, tree = proposed_state()
-    state.no_drafts(3)
-    assert not any(r in state.proposals for r in "abc")
+    state.no_drafts(["a", "b"])
+    assert not any(r in state.proposals for r in "ab") and "c" in state.proposals
     stats = state.budgets.stats
-    assert (stats.steps, stats.requests, stats.nodes, stats.budgets) == (1, 3, 0, {0: 3})
+    assert (stats.steps, stats.requests, stats.nodes, stats.budgets) == (1, 2, 0, {0: 2})
+    drafts_c = tree.token_ids[2].clamp(min=0)
+    assert state.begin_verify(["c"], [BUDGET], drafts_c, [0], BUDGET + 1).matched.tolist() == [True]
     # drafts equal to the forgotten proposal are verified as a chain, not as its tree
     drafts = tree.token_ids[0, :3]
     verify = state.begin_verify(["a"], [3], drafts, [0], 4)

@@ -73,17 +73,16 @@ def test_pauses_are_per_batch_bucket():
     assert not run_step(ctl, 9, [1] * 9)  # 9 requests share 8's bucket (power of two)
 
 
-def test_a_slow_step_moves_the_scales_little(monkeypatch):
+def test_a_slow_step_moves_the_scales_little():
     """Step costs are corrected by running ratios; one outlier (10x) moves them by at most
     SCALE_EMA of a doubling, while a sustained change is followed."""
     ctl = controller()
     ctl.set_cost_model(CostModel((1, 100), (0.010, 0.010), (1,), (0.005,)))
-    clock = [0.0]
-    monkeypatch.setattr(policy.time, "perf_counter", lambda: clock[0])
+    clock = [0.0]  # the scheduler's step stamps
 
     def step(seconds: float, drafted: bool) -> None:
         ctl._drafting_now = drafted  # the drafter decision at the end of the previous step
-        ctl.step_started(1, 1, True, drafted)
+        ctl.step_started(clock[0], 1, 1, True, drafted)
         clock[0] += seconds
 
     step(0.010, False)
@@ -112,11 +111,10 @@ class Engine:
     verifies drafts), the emitted tokens, then the proposal (drafting / drafts_sent), on a fake
     clock. The cost model says drafting always pays (verification free, gains large)."""
 
-    def __init__(self, monkeypatch, num_reqs: int = 1):
+    def __init__(self, num_reqs: int = 1):
         self.ctl = controller()
         self.ctl.set_cost_model(CostModel((1, 1000), (0.005, 0.005), (1,), (0.001,)))
-        self.clock = [0.0]
-        monkeypatch.setattr(policy.time, "perf_counter", lambda: self.clock[0])
+        self.clock = [0.0]  # the scheduler's step stamps (SchedulerOutput.ddtree_clock)
         self.num_reqs = num_reqs
         self.verifies = False  # the next step verifies drafts
 
@@ -125,7 +123,7 @@ class Engine:
         ``draft_tokens`` per request, a plain one ``plain_seconds`` and 1. Returns whether the
         drafter ran at its end."""
         ctl, r = self.ctl, self.num_reqs
-        ctl.step_started(r, r * (1 + 4 * self.verifies), True, self.verifies)
+        ctl.step_started(self.clock[0], r, r * (1 + 4 * self.verifies), True, self.verifies)
         ctl.tokens_emitted(r * (draft_tokens if self.verifies else 1))
         self.clock[0] += draft_seconds if self.verifies else plain_seconds
         ran = ctl.drafting(ctl.will_draft(r))
@@ -134,13 +132,13 @@ class Engine:
         return ran
 
 
-def test_a_drafter_slower_than_plain_decoding_is_paused_whatever_the_model_says(monkeypatch):
+def test_a_drafter_slower_than_plain_decoding_is_paused_whatever_the_model_says():
     """Drafting steps take 16 ms for 2.5 tokens (6.4 ms a token), plain ones 5 ms for 1: the
     model says draft, the measurements say no. The bucket first explores plain decoding
     (EXPLORE_AFTER drafting steps, then a pause of FIRST_PAUSE), then the measured rates pause
     it: after that, the drafter runs only in probes."""
     assert MIN_MEASURED <= FIRST_PAUSE - 2  # a pause measures enough plain steps
-    engine = Engine(monkeypatch)
+    engine = Engine()
     ran = [engine.step(0.016, 2.5, 0.005) for _ in range(400)]
     first_off = ran.index(False)
     # the first drafting step is a transition (no verify yet), then EXPLORE_AFTER measured
@@ -170,11 +168,11 @@ def paused_runs(ran: list[bool]) -> list[tuple[int, int]]:
     return runs
 
 
-def test_a_drafter_faster_than_plain_decoding_keeps_drafting(monkeypatch):
+def test_a_drafter_faster_than_plain_decoding_keeps_drafting():
     """Drafting steps: 10 ms for 3 tokens (3.3 ms a token), plain: 5 ms a token. The drafter
     runs every step but for the exploration pause and, every REMEASURE_AFTER steps, a pause
     of the same length that measures plain decoding again."""
-    engine = Engine(monkeypatch)
+    engine = Engine()
     ran = [engine.step(0.010, 3, 0.005) for _ in range(700)]
     first = EXPLORE_AFTER + 2
     period = 1 + FIRST_PAUSE + REMEASURE_AFTER
@@ -183,12 +181,12 @@ def test_a_drafter_faster_than_plain_decoding_keeps_drafting(monkeypatch):
     assert measured["1-1 requests, drafting"] > measured["1-1 requests, plain"]
 
 
-def test_a_plain_rate_measured_in_a_slow_spell_does_not_keep_the_drafter_on(monkeypatch):
+def test_a_plain_rate_measured_in_a_slow_spell_does_not_keep_the_drafter_on():
     """Plain decoding is first measured while the machine is slow (20 ms a step), so drafting
     (10 ms for 3 tokens) wins. The machine recovers (plain: 2 ms a token, better than
     drafting's 3.3): the next re-measurement starts a fresh plain average, and the measured
     rates pause the drafter."""
-    engine = Engine(monkeypatch)
+    engine = Engine()
     slow = [engine.step(0.010, 3, 0.020) for _ in range(100)]
     assert paused_runs(slow) == [(EXPLORE_AFTER + 2, FIRST_PAUSE)]
     fast = [engine.step(0.010, 3, 0.002) for _ in range(REMEASURE_AFTER + 200)]
@@ -198,10 +196,10 @@ def test_a_plain_rate_measured_in_a_slow_spell_does_not_keep_the_drafter_on(monk
     assert measured["1-1 requests, plain"] == pytest.approx(1 / 0.002, rel=0.01)
 
 
-def test_which_steps_are_measured(monkeypatch):
-    engine = Engine(monkeypatch)
+def test_which_steps_are_measured():
+    engine = Engine()
     ctl = engine.ctl
-    ctl.step_started(1, 64, False, False)  # a prefill
+    ctl.step_started(engine.clock[0], 1, 64, False, False)  # a prefill
     ctl.tokens_emitted(1)
     engine.clock[0] += 0.5
     ctl.drafting(ctl.will_draft(1))
@@ -214,24 +212,24 @@ def test_which_steps_are_measured(monkeypatch):
     assert drafting.steps == 1 and drafting.seconds == pytest.approx(0.010)
     # a verify step after which the drafter pauses (a probe answered "no") counts as drafting,
     # with the model's drafter time (1 ms) added
-    ctl.step_started(1, 5, True, True)
+    ctl.step_started(engine.clock[0], 1, 5, True, True)
     ctl.tokens_emitted(3)
     engine.clock[0] += 0.012
     ctl._drafting_now = False
-    ctl.step_started(1, 1, True, False)
+    ctl.step_started(engine.clock[0], 1, 1, True, False)
     assert drafting.steps == 3 and drafting.seconds == pytest.approx((0.010 + 0.010 + 0.013) / 3)
     # a step that drafts without verifying (the first step of a probe) is not counted
     ctl.tokens_emitted(1)
     engine.clock[0] += 0.005
     ctl._drafting_now = True
-    ctl.step_started(1, 5, True, True)
+    ctl.step_started(engine.clock[0], 1, 5, True, True)
     assert drafting.steps == 3 and (1, False) not in ctl._measured
 
 
-def test_a_drafter_that_becomes_faster_than_plain_decoding_drafts_again(monkeypatch):
+def test_a_drafter_that_becomes_faster_than_plain_decoding_drafts_again():
     """Paused by its measured rate, a drafter whose steps then get faster (3 tokens in 8 ms)
     is found again by its probes: each probe's verify step refreshes the drafting rate."""
-    engine = Engine(monkeypatch)
+    engine = Engine()
     slow = [engine.step(0.016, 2.5, 0.005) for _ in range(300)]
     assert sum(slow[200:]) <= 2
     fast = [engine.step(0.008, 3, 0.005) for _ in range(3000)]
@@ -240,13 +238,13 @@ def test_a_drafter_that_becomes_faster_than_plain_decoding_drafts_again(monkeypa
     assert 1 <= len(runs) <= 3 and all(length == FIRST_PAUSE for _, length in runs), runs
 
 
-def test_once_measured_the_rates_decide_whether_to_draft_and_the_model_sizes_trees(monkeypatch):
+def test_once_measured_the_rates_decide_whether_to_draft_and_the_model_sizes_trees():
     """The model says plain decoding wins (the docstring example of auto_budgets for one
     request: the best tree, one node, 1.9 tokens in 3 ms, against 1 token in 1 ms); the
     measurements say drafting pays (3 tokens in 10 ms against 1 in 5 ms). Without both rates the
     model's answer stands (budget 0); with them the drafter runs and gets the model's best
     tree given that it runs: k = 1 of (1 + [0, .9, 1.4]) / ([1, 2, 3] + 1) tokens per ms."""
-    engine = Engine(monkeypatch)
+    engine = Engine()
     ctl = engine.ctl
     ctl.set_cost_model(CostModel((1, 2), (1e-3, 2e-3), (1,), (1e-3,)))
     scores = torch.tensor([[0.9, 0.5]]).log()

@@ -63,6 +63,9 @@ __all__ = [
     "RowSampling",
     "sample_rows",
     "processed_probs_of_rows",
+    "mix32",
+    "seed_key",
+    "keyed_exponential",
 ]
 
 SAMPLING_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
@@ -319,6 +322,53 @@ def sample_rows(logits: torch.Tensor, rows: RowSampling | None, sample_op: Sampl
         sampled[start:end] = tokens
         del chunk, tokens  # before the next chunk's copy
     return sampled if greedy is None else torch.where(rows.is_greedy, greedy, sampled)
+
+
+# ---------------------------------------------------------------------------------------------
+# seeded requests: noise that is a function of (seed, position) only
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x, c: int):
+    """``x * c mod 2**32`` for 32-bit ``x`` (Python int or int64 tensor) without int64
+    overflow: the constant is split in 16-bit halves, each product stays below 2**48."""
+    return ((((x * (c >> 16)) & 0xFFFF) << 16) + x * (c & 0xFFFF)) & _M32
+
+
+def mix32(x):
+    """A bijective 32-bit integer hash (Chris Wellons' "lowbias32"), for Python ints and int64
+    tensors alike (values in [0, 2**32)). Example: ``mix32(0) == 0``, ``mix32(1) == 0x688990c0``."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def seed_key(seed: int) -> int:
+    """A request seed (any Python int: vLLM's generators hold unsigned 64-bit seeds) -> 32 bits."""
+    seed &= (1 << 64) - 1
+    return mix32(mix32(seed & _M32) ^ (seed >> 32))
+
+
+def keyed_exponential(seed_keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[n, vocab]`` float32 Exp(1) noise of row i: a function of ``(seed_keys[i],
+    positions[i])`` only (int64 tensors of n values, :func:`seed_key` and the absolute position
+    of the token being sampled), on their device, without a host synchronisation.
+
+    Each row hashes every vocabulary index with its key: ``u = (mix32(mix32(v ^ c) ^ key) + 0.5)
+    / 2**32`` with ``key = mix32(seed_key ^ position)``, then ``-log(u)``. The exponential race
+    ``argmax(p / E)`` with this noise is a sample from ``p`` whose randomness belongs to the
+    position, not to the order of draws: whatever rows a step verifies (tree, chain, none),
+    the token emitted at a position of a seeded request is drawn with that position's noise.
+    """
+    device = positions.device
+    key = mix32((seed_keys.to(device) ^ (positions.long() & _M32)) & _M32)
+    vocab_key = mix32(torch.arange(vocab, dtype=torch.int64, device=device) ^ 0x9E3779B9)
+    bits = mix32(vocab_key[None, :] ^ key[:, None])
+    uniform = (bits.double() + 0.5) * (1.0 / 4294967296.0)
+    return (-uniform.log()).float()
 
 
 def processed_probs_of_rows(logits: torch.Tensor, index: torch.Tensor, rows: RowSampling,

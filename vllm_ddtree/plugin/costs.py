@@ -14,6 +14,11 @@ in ``patches.py``; it takes a few seconds and fits whatever device runs it:
 Each point is the median of 3 timed runs after one warm-up run, with the device synchronised
 around each run (start-up only: serving never synchronises for this). The random state is
 restored afterwards, so seeded generation is unaffected.
+
+Under tensor parallelism every rank measures (the forwards run their collectives on every
+rank), then every point becomes the slowest rank's time (:func:`shared_cost_model`): all ranks
+decide from the same model. The ranks then compare a digest of their options and model, and a
+rank whose measurement failed stops every rank with the same error (no rank is left waiting).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import time
 import torch
 
 from vllm_ddtree.budget import CostModel, auto_budgets, node_gains
+from vllm_ddtree.plugin.options import DDTreeConfigError
+from vllm_ddtree.plugin.ranks import check_same, max_over_ranks
 from vllm_ddtree.tree import build_tree
 
 REPEATS = 3
@@ -58,8 +65,44 @@ def _without_drafter_dummy(drafter):
         del drafter.dummy_run
 
 
+def _grids(runner) -> tuple[list[int], list[int]]:
+    """The measured token counts and request counts (from the configuration: the same on
+    every rank)."""
+    budget = runner.ddtree_state.budget
+    max_tokens = min(runner.max_num_tokens, runner.max_num_reqs * (budget + 1))
+    return _grid(max_tokens), _grid(runner.max_num_reqs)
+
+
+def shared_cost_model(runner) -> CostModel:
+    """:func:`measure_costs` on every rank of the tensor-parallel group, reduced to one model
+    (each point: the slowest rank's time), checked to be the same on every rank."""
+    verify_grid, draft_grid = _grids(runner)
+    failure = None
+    try:
+        cost = measure_costs(runner)
+        values = [0.0, *cost.verify_seconds, *cost.draft_seconds]
+    except Exception as error:  # every rank must still reach the reduction below
+        failure = error
+        values = [1.0] + [0.0] * (len(verify_grid) + len(draft_grid))
+    values = max_over_ranks(values)
+    if values[0]:
+        reason = "on another rank" if failure is None else f"{type(failure).__name__}: {failure}"
+        raise DDTreeConfigError(
+            f"ddtree: measuring the step costs of ddtree_budget_policy 'auto' at engine start "
+            f"failed ({reason}); pin a budget instead with \"ddtree_budget_policy\": \"static\" "
+            "(every request drafts num_speculative_tokens nodes) and report this failure"
+        ) from failure
+    split = 1 + len(verify_grid)
+    cost = CostModel(tuple(verify_grid), tuple(values[1:split]), tuple(draft_grid),
+                     tuple(values[split:]))
+    check_same("the ddtree options and the step cost model",
+               (runner.ddtree_state.options.to_dict(), cost.to_dict()))
+    return cost
+
+
 def measure_costs(runner) -> CostModel:
-    """The :class:`~vllm_ddtree.budget.CostModel` of ``runner``'s engine (see the module doc)."""
+    """The :class:`~vllm_ddtree.budget.CostModel` of ``runner``'s engine as this rank measures
+    it (see the module doc; :func:`shared_cost_model` is what the policy uses)."""
     state = runner.ddtree_state
     drafter = runner.drafter
     device = runner.device
@@ -84,13 +127,11 @@ def measure_costs(runner) -> CostModel:
         build_tree(logits, lambda s, d: auto_budgets(node_gains(s, d, factors, sampled),
                                                      unit_cost), max_budget=budget)
 
-    max_tokens = min(runner.max_num_tokens, runner.max_num_reqs * (budget + 1))
+    verify_grid, draft_grid = _grids(runner)
     with torch.inference_mode(), torch.random.fork_rng(devices=[device] if cuda else []):
         with _without_drafter_dummy(drafter):
-            verify_points = [(n, _median_seconds(lambda: verify(n), sync))
-                             for n in _grid(max_tokens)]
-        draft_points = [(r, _median_seconds(lambda: draft(r), sync))
-                        for r in _grid(runner.max_num_reqs)]
+            verify_points = [(n, _median_seconds(lambda: verify(n), sync)) for n in verify_grid]
+        draft_points = [(r, _median_seconds(lambda: draft(r), sync)) for r in draft_grid]
     return CostModel(
         verify_tokens=tuple(n for n, _ in verify_points),
         verify_seconds=_monotone(t for _, t in verify_points),

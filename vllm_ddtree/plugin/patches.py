@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 
 from vllm_ddtree.plugin.options import (
     ADDITIONAL_CONFIG_KEY,
@@ -91,6 +92,16 @@ def _require_one_read(func, attr: str, line: str) -> None:
         )
 
 
+def _require_reads(func, attr: str, count: int) -> None:
+    """``func`` reads ``attr`` exactly ``count`` times (a patch relies on what it decides)."""
+    source = inspect.getsource(func)
+    if source.count(attr) != count:
+        raise ImportError(
+            f"vllm-ddtree: {func.__qualname__} reads {attr} {source.count(attr)} times, not "
+            f"{count}; this plugin supports vLLM {SUPPORTED_VLLM[0]}.{SUPPORTED_VLLM[1]}.x only"
+        )
+
+
 def install() -> None:
     """Apply every patch once per process (idempotent)."""
     global _installed
@@ -109,6 +120,7 @@ def install() -> None:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.sampling_params import SamplingParams
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     create_spec = _require(EngineArgs, "create_speculative_config",
@@ -117,6 +129,9 @@ def install() -> None:
     lookahead = _require(VllmConfig, "num_lookahead_tokens")
     draft_slots = _require(SpeculativeConfig, "max_num_new_slots_for_drafting")
     validate_spec = _require(SamplingParams, "_validate_spec_decode", ("speculative_config",))
+    schedule = _require(Scheduler, "schedule")
+    scheduler_init = _require(Scheduler, "__init__", ("vllm_config",))
+    _require_reads(schedule, "self.dynamic_sd_lookup", 3)
     runner_init = _require(GPUModelRunner, "__init__", ("vllm_config", "device"))
     init_kv_cache = _require(GPUModelRunner, "initialize_kv_cache", ("kv_cache_config",))
     prepare_inputs = _require(GPUModelRunner, "_prepare_inputs",
@@ -140,6 +155,8 @@ def install() -> None:
     SpeculativeConfig.max_num_new_slots_for_drafting = property(
         _wrap_draft_slots(draft_slots.fget))
     SamplingParams._validate_spec_decode = _wrap_validate_spec_decode(validate_spec)
+    Scheduler.__init__ = _wrap_scheduler_init(scheduler_init)
+    Scheduler.schedule = _wrap_schedule(schedule)
     GPUModelRunner.__init__ = _wrap_runner_init(runner_init)
     GPUModelRunner.initialize_kv_cache = _wrap_initialize_kv_cache(init_kv_cache)
     GPUModelRunner._prepare_inputs = _wrap_prepare_inputs(prepare_inputs)
@@ -426,6 +443,45 @@ def _chain_only_features(params) -> list[str]:
     return problems
 
 
+# 4b. the scheduler's step clock ----------------------------------------------------------------
+
+
+def _wrap_scheduler_init(original):
+    @functools.wraps(original)
+    def __init__(self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+        options = ddtree_options(vllm_config)
+        if options is None or not self.num_spec_tokens:
+            return
+        # vLLM pads a newly scheduled request with one token to compute (a one-token prompt,
+        # a prefix-cache hit up to its last token) with num_spec_tokens placeholder drafts
+        # (-1) when other requests run, to keep one CUDA graph shape, unless a per-batch-size
+        # lookup of draft lengths is set. For ddtree that is B useless verify rows (B up to
+        # 1024) that are not a proposal: they were verified as a chain, and a seeded request
+        # drew B + 1 samples instead of 1. A lookup that gives B at every batch size turns
+        # the padding off and changes nothing else (schedule() reads it there and for the
+        # step's draft length, which it keeps at B; checked at install).
+        self.dynamic_sd_lookup = [self.num_spec_tokens] * (self.max_num_running_reqs + 1)
+
+    return __init__
+
+
+def _wrap_schedule(original):
+    @functools.wraps(original)
+    def schedule(self, *args, **kwargs):
+        output = original(self, *args, **kwargs)
+        runs_ddtree = self.__dict__.get("_ddtree_runs")
+        if runs_ddtree is None:
+            runs_ddtree = self._ddtree_runs = ddtree_options(self.vllm_config) is not None
+        if runs_ddtree:
+            # The one clock the "auto" policy reads: every rank gets this stamp with the step
+            # (ranks.py), so every rank times the steps alike and decides alike.
+            output.ddtree_clock = time.perf_counter()
+        return output
+
+    return schedule
+
+
 # 5-7. the model runner ----------------------------------------------------------------------
 
 
@@ -465,6 +521,9 @@ def _wrap_initialize_kv_cache(original):
         group = self.kv_cache_config.kv_cache_groups[self.drafter.kv_cache_gid]
         self.ddtree_state.allocate_context_validity(
             self.kv_cache_config.num_blocks * group.kv_cache_spec.block_size)
+        from vllm_ddtree.plugin.ranks import check_every_step
+
+        self.ddtree_state.check_ranks = check_every_step()
         self.ddtree_compactor = KVCompactor(self)
         self.ddtree_compactor.warm_up()
         if self.device.type == "cuda":
@@ -490,6 +549,12 @@ def _wrap_prepare_inputs(original):
         if state is None:
             return original(self, scheduler_output, num_scheduled_tokens)
         plan = state.plan_step(self.input_batch.req_ids[: self.input_batch.num_reqs])
+        if state.check_ranks:  # VLLM_DDTREE_CHECK_RANKS=1 under tensor parallelism (debug)
+            from vllm_ddtree.plugin.ranks import check_same
+
+            check_same("the plan of a step",
+                       (plan, state.budgets.decision_state(),
+                        sorted(scheduler_output.scheduled_spec_decode_tokens.items())))
         if any(scheduler_output.scheduled_spec_decode_tokens.values()) or plan == "draft":
             result = original(self, scheduler_output, num_scheduled_tokens)
         else:
@@ -508,6 +573,7 @@ def _wrap_prepare_inputs(original):
         if scheduler_output.finished_req_ids:  # the only requests vLLM's runner forgets
             state.forget_finished(self.requests)  # finished and aborted requests
         num_tokens = scheduler_output.total_num_scheduled_tokens
+        clock = getattr(scheduler_output, "ddtree_clock", None)  # the scheduler's (ranks.py)
         # the drafter's positions before the depth shift (a cold step's drafter reads none)
         state.chain_positions = None if plan == "cold" else self.positions[:num_tokens].clone()
         num_reqs = self.input_batch.num_reqs
@@ -515,14 +581,15 @@ def _wrap_prepare_inputs(original):
         if not any(num_draft):
             # No request has drafts (the policy paused the drafter, requests at their end,
             # prefill): nothing to verify, the step samples like plain decoding (see _sample).
-            state.budgets.step_started(num_reqs, num_tokens, num_tokens == num_reqs, False)
+            state.budgets.step_started(clock, num_reqs, num_tokens, num_tokens == num_reqs, False)
             state.end_step_without_verify()
+            _keep_sample_positions(self, state, result[0])
             return result
         num_draft = list(num_draft)
         _attach_state_to_builders(self, state)  # they read the trees of verify steps only
         # a decode-only step: every request runs its last token and its drafts (no prefill)
-        state.budgets.step_started(num_reqs, num_tokens, num_tokens == num_reqs + sum(num_draft),
-                                   True)
+        state.budgets.step_started(clock, num_reqs, num_tokens,
+                                   num_tokens == num_reqs + sum(num_draft), True)
         starts = [0]
         for n in num_scheduled_tokens[: num_reqs - 1].tolist():
             starts.append(starts[-1] + int(n))
@@ -544,24 +611,45 @@ def _wrap_prepare_inputs(original):
         node = (query_pos - 1).clamp(min=0, max=depths.shape[1] - 1)
         delta = torch.where(is_node, depths[req_index, node] - query_pos, 0)
         self.positions[:num_tokens] += delta.to(self.positions.dtype)
+        _keep_sample_positions(self, state, spec_decode_metadata.logits_indices)
         return result
 
     return _prepare_inputs
+
+
+def _keep_sample_positions(runner, state, logits_indices) -> None:
+    """For seeded requests (their noise is keyed by position, ``sampler.sample_seeded``): the
+    position of the token each sampled row predicts (its row's position, after the depth shift,
+    plus one). Device ops only, and only in steps with seeded requests."""
+    state.sample_positions = None
+    if runner.input_batch.generators:
+        state.sample_positions = runner.positions[logits_indices] + 1
 
 
 def _wrap_sample(original):
     @functools.wraps(original)
     def _sample(self, logits, spec_decode_metadata):
         state = getattr(self, "ddtree_state", None)
-        if (state is not None and spec_decode_metadata is not None and state.verify is None
-                and spec_decode_metadata.max_spec_len == 0):
+        if state is not None and (spec_decode_metadata is None or (
+                state.verify is None and spec_decode_metadata.max_spec_len == 0)):
             # No drafts in this step: vLLM's own sampler, one row per request, exactly a step
-            # without speculation (seeded requests draw from their generators as there); the
-            # tree sampler would build, walk and compact empty trees for nothing.
-            return self.sampler(logits=logits,
-                                sampling_metadata=self.input_batch.sampling_metadata)
+            # without speculation (the tree sampler would build, walk and compact empty trees
+            # for nothing); seeded requests then draw their token with their position's noise,
+            # as in verify steps (sampler.sample_seeded).
+            from vllm_ddtree.plugin.sampler import sample_seeded, seeded_rows
+
+            sampling_metadata = self.input_batch.sampling_metadata
+            rows, requests = seeded_rows(sampling_metadata, [0] * logits.shape[0])
+            tokens = None
+            if rows:  # before vLLM's sampler, which scales the logits in place
+                tokens = sample_seeded(logits, rows, requests, sampling_metadata,
+                                       state.sample_positions)
+            output = self.sampler(logits=logits, sampling_metadata=sampling_metadata)
+            if tokens is not None:
+                output.sampled_token_ids[rows, 0] = tokens.to(output.sampled_token_ids.dtype)
+            return output
         output = original(self, logits, spec_decode_metadata)
-        if state is None or spec_decode_metadata is None or state.verdict is None:
+        if state is None or state.verdict is None:
             return output
         from vllm_ddtree.plugin.sampler import sampling_batch
 
@@ -626,7 +714,7 @@ def _wrap_take_draft_token_ids(original):
             # A step that drafted nothing (propose_draft_token_ids, the only source of a list):
             # the policy still counts it, but the scheduler cleared every request's drafts when
             # it scheduled them, so there is nothing to send (None skips its update).
-            state.no_drafts(len(self._draft_token_ids))
+            state.no_drafts(self.input_batch.req_ids[: len(self._draft_token_ids)])
             return None
         drafts = original(self)
         if drafts is not None:
@@ -643,17 +731,9 @@ def _wrap_compile_or_warm_up_model(original):
         result = original(self, *args, **kwargs)
         state = getattr(self.model_runner, "ddtree_state", None)
         if state is not None and state.budgets.name == "auto":
-            from vllm_ddtree.plugin.costs import measure_costs
+            from vllm_ddtree.plugin.costs import shared_cost_model
 
-            try:
-                cost = measure_costs(self.model_runner)
-            except Exception as error:
-                raise DDTreeConfigError(
-                    f"ddtree: measuring the step costs of ddtree_budget_policy 'auto' at engine "
-                    f"start failed ({type(error).__name__}: {error}); pin a budget instead with "
-                    "\"ddtree_budget_policy\": \"static\" (every request drafts "
-                    "num_speculative_tokens nodes) and report this failure") from error
-            state.budgets.set_cost_model(cost)
+            state.budgets.set_cost_model(shared_cost_model(self.model_runner))
         return result
 
     return compile_or_warm_up_model

@@ -138,6 +138,15 @@ class BudgetController:
         self._totals = PolicyStats()
         self._logged_at = time.monotonic()
 
+    def decision_state(self) -> tuple:
+        """Everything the policy's next decisions depend on, host side (compared across the
+        tensor-parallel ranks each step under ``VLLM_DDTREE_CHECK_RANKS=1``, ``ranks.py``)."""
+        return (self.step, self._drafting_now, self.on_scale, self.off_scale,
+                sorted(self._pause_until.items()), sorted(self._pause.items()),
+                sorted(self._no_streak.items()), sorted(self._draft_rate.items()),
+                sorted(self._remeasure_at.items()),
+                sorted((k, (r.seconds, r.tokens, r.steps)) for k, r in self._measured.items()))
+
     # --- before the drafter runs ---------------------------------------------------------
 
     def set_cost_model(self, cost: CostModel) -> None:
@@ -206,10 +215,10 @@ class BudgetController:
 
     # --- after the drafts reached the host (take_draft_token_ids) --------------------------
 
-    def drafts_sent(self, budgeted: list[int], num_nodes: list[int]) -> None:
+    def drafts_sent(self, budgeted: list[int], num_nodes: list[int]) -> bool:
         """This step's outcome on the host: ``budgeted``, the nodes the policy gave each drafted
         request; ``num_nodes``, what each request sends to the scheduler (after the cut near
-        ``max_tokens``)."""
+        ``max_tokens``). Returns whether the periodic log line was written now."""
         stats = self.stats
         stats.steps += 1
         stats.drafted += int(self._drafting_now)
@@ -238,7 +247,7 @@ class BudgetController:
                 self._no_streak[bucket] = 0
                 self._explore_plain(bucket)
         self.step += 1
-        self._maybe_log()
+        return self._maybe_log()
 
     def _measured_both(self, bucket: int) -> bool:
         """Whether this bucket has measured ``MIN_MEASURED`` drafting and plain steps."""
@@ -285,16 +294,25 @@ class BudgetController:
         copy of the sampled tokens)."""
         self._emitted = num_tokens
 
-    def step_started(self, num_reqs: int, num_tokens: int, decode_only: bool,
+    def step_started(self, now: float, num_reqs: int, num_tokens: int, decode_only: bool,
                      verified: bool) -> None:
-        """Called at the start of every step (``verified``: whether it verifies drafts): the
-        time since the previous step's start is that step's cost (its verify forward over its
-        tokens, then the drafter if it ran at its end: ``_drafting_now`` still holds that
-        decision); compare it with the model (auto), and fold it into the measured rates."""
-        now = time.perf_counter()
+        """Called at the start of every step (``verified``: whether it verifies drafts) with
+        ``now``, the scheduler's clock stamp of the step (``SchedulerOutput.ddtree_clock``: the
+        same number on every tensor-parallel rank, see ``ranks.py``; never this rank's own
+        clock): the time since the previous step's stamp is that step's cost (its verify
+        forward over its tokens, then the drafter if it ran at its end: ``_drafting_now`` still
+        holds that decision); compare it with the model (auto), and fold it into the measured
+        rates."""
+        if self.cost is None:
+            return
+        if now is None:
+            raise RuntimeError(
+                "ddtree auto budgets: this step has no scheduler clock stamp "
+                "(SchedulerOutput.ddtree_clock); the vllm-ddtree plugin must be installed where "
+                "vLLM's engine core (its scheduler) runs")
         last, self._last = self._last, (now, num_reqs, num_tokens, verified)
         emitted, self._emitted = self._emitted, None
-        if self.cost is None or last is None or not decode_only:
+        if last is None or not decode_only:
             if not decode_only:
                 self._last = None  # a prefill step's time says nothing about decode costs
             return
@@ -345,10 +363,10 @@ class BudgetController:
             merged.budgets[n] = merged.budgets.get(n, 0) + count
         return merged
 
-    def _maybe_log(self) -> None:
-        now = time.monotonic()
+    def _maybe_log(self) -> bool:
+        now = time.monotonic()  # when to log only: no decision reads this rank's clock
         if now - self._logged_at < LOG_INTERVAL_S:
-            return
+            return False
         self._logged_at = now
         s = self.summary(self.stats)
         extra = ""
@@ -362,6 +380,7 @@ class BudgetController:
                     100 * s["drafter_cold_fraction"], extra)
         self._totals = self._merged()
         self.stats = PolicyStats()
+        return True
 
 
 def _updated_scale(scale: float, ratio: float) -> float:

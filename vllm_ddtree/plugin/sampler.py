@@ -16,18 +16,23 @@ built on the device from vLLM's ``cu_num_sampled_tokens``
 (:func:`vllm_ddtree.sampling.verify_rows`). ``hsd_chain`` chains are verified the same way
 against their sparse draft law (:func:`vllm_ddtree.sampling.hsd_verify_rows`).
 
-Seeded requests (``SamplingParams.seed``): vLLM's op draws each of a seeded request's rows
-from the request's generator, rows in order (on the CPU one seed per row, on CUDA one
-exponential per vocabulary entry and row), and HSD then draws from the same generator: the
-stream a seeded request consumes depends only on its own drafts, never on the other requests of
-the batch or on where the chunks fall, so its output does not depend on the traffic. Example: a
-seeded request with 2 drafts consumes 3 draws of its generator on the CPU; with m_r = 0 (its
-first token, in a step where other requests verify) this is exactly the draw vLLM's sampler
-makes in a step without speculation.
+Seeded requests (``SamplingParams.seed``): every token of a seeded request, in verify steps
+and in steps without drafts alike, is drawn with noise that is a function of the request's seed
+and of the token's position (:func:`sample_seeded`), never from a stream of draws. A tree
+verify step samples every node, and which nodes exist depends on the drafter, the budget policy
+(which depends on the batch and on measured step times) and the scheduler; with a stream, the
+text of a seeded request would depend on all of them. With position noise the token emitted at
+position p is ``argmax_v p(v | prefix) / E[p, v]`` whatever was drafted: the text is that of one
+plain decoding run with this noise, reproducible whatever the traffic, the policy or the
+tensor-parallel layout, and its law is exactly plain decoding's (the noise of position p is
+used on the emitted path once, and the path up to p never depends on it). ``hsd_chain`` chains
+are the exception: they are SAMPLED from the drafter with the request's generator and HSD draws
+from it too, so their text depends on their own drafts (a static policy: not on the batch).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
@@ -40,11 +45,57 @@ from vllm_ddtree.sampling import (
     RowSampling,
     SamplingBatch,
     hsd_verify_rows,
+    keyed_exponential,
+    row_chunks,
     sample_rows,
+    seed_key,
     unpack_sparse_law,
     verify_rows,
 )
 from vllm_ddtree.walk import walk
+
+
+def seeded_rows(sampling_metadata, num_draft: list[int]) -> tuple[list[int], list[int]]:
+    """The flat rows of the seeded requests (each request owns ``num_draft[r] + 1`` rows,
+    request-major) and the request of each row (host lists; empty without seeded requests)."""
+    generators = sampling_metadata.generators
+    if not generators:
+        return [], []
+    starts = [0, *itertools.accumulate(m + 1 for m in num_draft)]
+    pairs = [(starts[r] + i, r) for r in sorted(generators) for i in range(num_draft[r] + 1)]
+    return [row for row, _ in pairs], [r for _, r in pairs]
+
+
+def sample_seeded(logits: torch.Tensor, rows: list[int], requests: list[int], sampling_metadata,
+                  positions: torch.Tensor) -> torch.Tensor:
+    """Tokens of the seeded requests' flat ``rows`` of ``logits [T, V]``, each drawn from its
+    request's processed law (temperature, then vLLM's top-k / top-p) by the exponential race
+    with :func:`~vllm_ddtree.sampling.keyed_exponential` noise: a function of the request's seed
+    and the position of the token (``positions [T]``: of the token each row predicts). So a
+    seeded request's text depends on its seed and prompt only: not on its drafts, on the
+    budget policy's choices, on what it is batched with, or on the tensor-parallel rank. No
+    host synchronisation; one :func:`row_chunks` chunk of rows at a time."""
+    device, vocab = logits.device, logits.shape[1]
+    generators = sampling_metadata.generators
+    keys = torch.tensor([seed_key(generators[r].initial_seed()) for r in requests],
+                        dtype=torch.int64)
+    row_index = torch.tensor(rows, dtype=torch.int64).to(device)
+    request = torch.tensor(requests, dtype=torch.int64).to(device)
+    temperature = sampling_metadata.temperature[request].float()
+    top_k = None if sampling_metadata.top_k is None else sampling_metadata.top_k[request]
+    if top_k is not None:
+        top_k = torch.where((top_k <= 0) | (top_k > vocab), vocab, top_k)
+    top_p = None if sampling_metadata.top_p is None else sampling_metadata.top_p[request]
+    tokens = []
+    for start, end in row_chunks(len(rows), vocab):
+        part = slice(start, end)
+        chunk = logits.index_select(0, row_index[part]).float() / temperature[part, None]
+        chunk = apply_top_k_top_p(chunk, None if top_k is None else top_k[part],
+                                  None if top_p is None else top_p[part])
+        noise = keyed_exponential(keys[part], positions.index_select(0, row_index[part]), vocab)
+        tokens.append((chunk.softmax(dim=-1) / noise).argmax(dim=-1))
+        del chunk, noise
+    return torch.cat(tokens)
 
 
 def sampling_batch(sampling_metadata) -> SamplingBatch | None:
@@ -96,9 +147,14 @@ class TreeRejectionSampler(nn.Module):
         rows_index = verify_rows(metadata.cu_num_sampled_tokens, width)  # [R, width + 1]
         sampling = sampling_batch(sampling_metadata)
         rows = None if sampling is None else RowSampling.expand(
-            sampling, metadata.cu_num_sampled_tokens, num_draft, logits.shape[1])
+            dataclasses.replace(sampling, generators=None), metadata.cu_num_sampled_tokens,
+            num_draft, logits.shape[1])
         sampled = sample_rows(logits, rows, self.topk_topp_sampler,
                               all_random=bool(getattr(sampling_metadata, "all_random", False)))
+        seeded, requests = seeded_rows(sampling_metadata, num_draft)
+        if seeded:  # drawn again with their own noise (sample_seeded)
+            sampled[seeded] = sample_seeded(logits, seeded, requests, sampling_metadata,
+                                            state.sample_positions)
         verdict = walk(tree, sampled[rows_index])
         out_width = metadata.max_spec_len + 1
         out = torch.full((tree.token_ids.shape[0], out_width), -1, dtype=torch.int64,

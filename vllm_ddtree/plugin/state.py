@@ -16,6 +16,7 @@ One :class:`TreeState` belongs to one model runner (no module-global context). A
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,25 @@ from vllm_ddtree.plugin.options import DDTreeOptions
 from vllm_ddtree.plugin.policy import BudgetController
 from vllm_ddtree.tree import DraftTree, _ancestor_mask
 from vllm_ddtree.walk import TreeVerdict
+
+
+logger = logging.getLogger("vllm.ddtree")
+_UNMATCHED_COUNTER = None
+
+
+def _unmatched_counter():
+    """The process's ``vllm:ddtree_unmatched_draft_rows`` Prometheus counter (created once:
+    several engines in one process share it). It is in the registry of the process that runs
+    the model runner: ``LLM.get_metrics()`` of an in-process engine, or vLLM's /metrics when
+    its Prometheus runs in multiprocess mode; the warning line reaches the log everywhere."""
+    global _UNMATCHED_COUNTER
+    if _UNMATCHED_COUNTER is None:
+        from prometheus_client import Counter
+
+        _UNMATCHED_COUNTER = Counter(
+            "vllm:ddtree_unmatched_draft_rows",
+            "Scheduled requests whose drafts were not their ddtree proposal (verified as chains)")
+    return _UNMATCHED_COUNTER
 
 
 @dataclass
@@ -165,11 +185,16 @@ class TreeState:
         self._latest_law_names: tuple[str, ...] = ()
         self.verify: VerifyBatch | None = None
         self.chain_positions: torch.Tensor | None = None  # [T] positions before the depth shift
+        # [rows] position of the token each sampled row predicts, in steps with seeded requests
+        self.sample_positions: torch.Tensor | None = None
         self.verdict: TreeVerdict | None = None
         self.gather_index: torch.Tensor | None = None  # [T] hidden-state rows for the drafter
         self._compacted = torch.zeros((), dtype=torch.int64, device=device)  # slots moved
-        # scheduled rows with drafts that were not their request's recorded proposal
+        # scheduled rows with drafts that were not their request's recorded proposal (device;
+        # read with the policy's periodic log line, so serving never waits for it)
         self._unmatched = torch.zeros((), dtype=torch.int64, device=device)
+        self._unmatched_reported = 0
+        self.check_ranks = False  # compare each step's plan across TP ranks (ranks.py)
         self.last_num_draft: list[int] = []  # m_r of the latest verify step, host
         # What the drafter does at the end of the step in flight (plan_step): "draft",
         # "context" (its context pass only) or "cold" (nothing).
@@ -193,8 +218,28 @@ class TreeState:
     @property
     def num_unmatched_rows(self) -> int:
         """Scheduled requests with drafts that were verified as chains because their drafts
-        were not a recorded proposal (placeholders after preemption; tests; reading syncs)."""
+        were not their request's recorded proposal (tests, diagnostics; reading syncs). Zero in
+        normal serving: see :meth:`report_unmatched`."""
         return int(self._unmatched)
+
+    def report_unmatched(self) -> None:
+        """With the policy's periodic log line: the unmatched rows since the last report, as a
+        warning and in the ``vllm:ddtree_unmatched_draft_rows`` counter.
+
+        An unmatched row is a scheduled request whose drafts are not the tree this runner
+        proposed for it. The plugin sends the scheduler only recorded proposals, keeps each
+        request's proposal until the request is scheduled again, and drops it whenever the
+        scheduler cannot hold those drafts any more, so none arises in serving; if one did (a
+        scheduler change in a new vLLM, a bug), its drafts are verified as a chain, which is
+        still lossless (the walk is exact for any drafts that do not depend on the target's
+        samples), but the trees' acceptance is lost: hence the warning."""
+        total = self.num_unmatched_rows
+        new, self._unmatched_reported = total - self._unmatched_reported, total
+        if new > 0:
+            _unmatched_counter().inc(new)
+            logger.warning("ddtree: %d scheduled requests had drafts that were not their "
+                           "proposal and were verified as chains (%d since start); please "
+                           "report this with your vLLM version", new, total)
 
     def count_unmatched(self, verify: VerifyBatch) -> None:
         self._unmatched += ((verify.tree.num_nodes > 0) & ~verify.matched).sum()
@@ -284,12 +329,16 @@ class TreeState:
             + pos % block_size
         return (self.context_valid[torch.where(inside, slots, 0)] | ~inside).all(dim=1)
 
-    def no_drafts(self, num_reqs: int) -> None:
+    def no_drafts(self, req_ids: list[str]) -> None:
         """:meth:`clip_drafts` for a step whose drafter did not run its query pass (paused by
-        the policy): no request sends drafts, so no older proposal may be matched again."""
+        the policy): the step's requests send no drafts, so their older proposals may never be
+        matched again (the scheduler cleared their drafts when it scheduled them). Requests
+        that were not scheduled in this step keep theirs: the scheduler still holds their
+        drafts and verifies them when it schedules them."""
         self._latest_depths, self._latest_rows = None, {}
-        self.proposals.clear()
-        self.budgets.drafts_sent([], [0] * num_reqs)
+        self.proposals.drop(req_ids)
+        if self.budgets.drafts_sent([], [0] * len(req_ids)):
+            self.report_unmatched()
 
     def clip_drafts(self, req_ids: list[str], drafts: list[list[int]], requests: dict,
                     max_model_len: int) -> None:
@@ -337,7 +386,8 @@ class TreeState:
             keep = [i for i, d in enumerate(node_depths) if 0 < d <= useful]
             ids[:] = [ids[i] for i in keep]
             kept[req_id] = keep
-        self.budgets.drafts_sent(budgeted, [len(ids) for ids in drafts])
+        if self.budgets.drafts_sent(budgeted, [len(ids) for ids in drafts]):
+            self.report_unmatched()
         if kept:
             # vLLM calls take_draft_token_ids outside inference mode; the buffers are
             # inference tensors (written during the step), so update them inside it
