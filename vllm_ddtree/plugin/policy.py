@@ -28,6 +28,12 @@ running rate of "draft" answers below one half: a few unsure trees, as at the st
 generation, do not switch off a drafter that pays), and probes again after a pause that doubles
 each time the probe's answer stays the same (8 steps, then 16, ... up to 256), per batch-size
 bucket (R's power of two): a new regime of traffic gets its own answer.
+Where decisions are made: every rank of a tensor-parallel group runs its own controller, and
+the controllers stay identical by construction (``ranks.py``): they read time only from the
+scheduler's clock stamp of each step (``SchedulerOutput.ddtree_clock``, broadcast to every
+rank with the step), a start-up cost model reduced over the ranks, the step's emitted tokens and
+device results that are identical on every rank. No rank reads its own clock for a decision.
+
 Online correction: the wall time between consecutive decode steps is compared with the cost
 model's prediction for what the step did (drafter on, or paused); the running ratios
 (``on_scale``, ``off_scale``) rescale the two sides of the comparison, so costs the start-up

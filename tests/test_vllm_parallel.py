@@ -1,0 +1,200 @@
+"""ddtree under tensor and data parallelism on vLLM's CPU backend, with the default policy.
+
+Every rank of a tensor-parallel group must make the same decisions (vllm_ddtree/plugin/ranks.py):
+a rank that planned a different step computed a different attention mask (wrong text) or waited
+in a collective the other rank never entered (a hang). Each engine here runs in its own process
+(tests/parallel_run.py) under a watchdog: a run that prints nothing for ``WATCHDOG_S`` seconds
+is killed and the test fails as a hang, well before two minutes; vLLM's own step timeout is set
+below it as well.
+
+Oracles: greedy decoding without speculation at TP = 1 (8 prompts x 256 tokens, token for
+token), and for seeded requests at T = 0.8 the same seeds on another engine (ddtree at TP = 1
+with the default policy): a seeded request's text must not depend on its company, on the
+policy's choices or on the ranks. Rows verified as chains because their drafts were not a
+proposal must be zero on every rank.
+"""
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from parallel_run import PROMPTS, SEEDED  # noqa: E402
+from test_vllm_server import demo  # noqa: E402
+from vllm_utils import DRAFTER, PAIR  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = os.path.join(ROOT, "tests", "parallel_run.py")
+WATCHDOG_S = 90.0  # no output line for this long: a hang
+MAX_TOKENS = 256
+SEEDED_PROMPTS = [1, 3, 5, 7]
+
+
+def ddtree(**extra) -> dict:
+    return {"method": "ddtree", "model": DRAFTER, "num_speculative_tokens": 32, **extra}
+
+
+def run_engine(tmp_path, tp: int, spec: dict | None, **env) -> dict:
+    """tests/parallel_run.py in its own process group, under the watchdog; its JSON result."""
+    out = tmp_path / f"tp{tp}_{os.urandom(4).hex()}.json"
+    cmd = [sys.executable, RUN, "--out", str(out), "--tp", str(tp), "--max-tokens", str(MAX_TOKENS)]
+    if spec is not None:
+        cmd += ["--spec", json.dumps(spec)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=str(int(WATCHDOG_S) - 15), **env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put(None)],
+                     daemon=True).start()
+    log: list[str] = []
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=WATCHDOG_S)
+            except queue.Empty:
+                pytest.fail(f"no progress for {WATCHDOG_S:.0f} s (a hang):\n{''.join(log[-40:])}")
+            if line is None:
+                break
+            log.append(line)
+        assert proc.wait(timeout=60) == 0, f"the engine failed:\n{''.join(log[-60:])}"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not any("Traceback" in line for line in log), "".join(log[-60:])
+    with open(out) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """Greedy decoding without speculation at TP = 1: the greedy oracle."""
+    return run_engine(tmp_path_factory.mktemp("plain"), 1, None)["outputs"]["greedy"]
+
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory):
+    """ddtree (default policy) at TP = 1: its seeded texts, checked there, are the seeded
+    oracle of the other runs."""
+    result = run_engine(tmp_path_factory.mktemp("tp1"), 1, ddtree())
+    check_run(result, None)
+    return {i: result["outputs"]["mixed"][str(i)] for i in SEEDED_PROMPTS}
+
+
+def check_run(result: dict, plain: dict | None, seeded: dict | None = None) -> None:
+    outputs = result["outputs"]
+    assert result["unmatched_rows_per_rank"] == [0] * len(result["unmatched_rows_per_rank"])
+    if plain is not None:
+        for job in ("greedy", "greedy_reversed"):
+            for i, ids in plain.items():
+                assert outputs[job][i] == ids, f"{job}: prompt {i} differs from plain decoding"
+        for i in range(0, len(PROMPTS), 2):  # greedy requests batched with seeded ones
+            assert outputs["mixed"][str(i)] == plain[str(i)], f"mixed: prompt {i}"
+            assert outputs["pairs"].get(str(i), plain[str(i)]) == plain[str(i)], f"pairs: {i}"
+    for i in SEEDED_PROMPTS:
+        mine = outputs["mixed"][str(i)]
+        assert len(mine) == MAX_TOKENS
+        assert outputs[f"alone_{i}"][str(i)] == mine, f"seeded prompt {i}: alone != in a batch"
+        assert outputs["pairs"][str(i)] == mine, f"seeded prompt {i}: in pairs != in a batch"
+        if seeded is not None:
+            assert mine == seeded[i], f"seeded prompt {i} differs from the TP = 1 run"
+
+
+def test_tp2_default_policy(tmp_path, plain, seeded):
+    """TP = 2 with "auto" (the default), every step's plan compared across the ranks."""
+    result = run_engine(tmp_path, 2, ddtree(), VLLM_DDTREE_CHECK_RANKS="1")
+    check_run(result, plain, seeded)
+
+
+def test_tp2_static(tmp_path, plain, seeded):
+    result = run_engine(tmp_path, 2, ddtree(ddtree_budget_policy="static"))
+    check_run(result, plain, seeded)
+
+
+def test_dp2_server_default_policy(tmp_path, plain, seeded):
+    """--data-parallel-size 2 through the OpenAI server with the default policy: greedy
+    requests equal plain decoding, seeded ones the TP = 1 engine's text, sent concurrently so
+    that both engines serve."""
+    from openai import OpenAI
+
+    port = demo.free_port()
+    cmd = demo.server_command(str(PAIR), "ddtree", 32, port)
+    spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    del spec["ddtree_budget_policy"]  # the default policy
+    cmd[cmd.index("--speculative-config") + 1] = json.dumps(spec)
+    cmd += ["--data-parallel-size", "2", "--max-num-seqs", "8"]
+    log_path = str(tmp_path / "server.log")
+    env_keys = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    saved = {k: os.environ.get(k) for k in env_keys}
+    os.environ.update(env_keys)
+    with open(log_path, "w") as log:
+        proc = demo.start_server(cmd, log)
+    for k, v in saved.items():
+        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    try:
+        demo.wait_healthy(proc, port, 300.0, log_path)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="EMPTY", max_retries=0,
+                        timeout=WATCHDOG_S)
+        extra = {"ignore_eos": True, "return_token_ids": True}
+
+        def ask(i: int):
+            params = dict(temperature=0.0)
+            if i in SEEDED_PROMPTS:
+                params = dict(temperature=SEEDED["temperature"], top_p=SEEDED["top_p"],
+                              seed=1000 + i, extra_body=dict(extra, top_k=SEEDED["top_k"]))
+            params.setdefault("extra_body", extra)
+            out = client.completions.create(model="tiny", prompt=PROMPTS[i],
+                                            max_tokens=MAX_TOKENS, **params)
+            return i, out.choices[0].token_ids
+
+        start = time.time()
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, list(range(len(PROMPTS))) * 2))
+        print(f"{len(answers)} requests in {time.time() - start:.0f} s")
+        for i, ids in answers:
+            want = seeded[i] if i in SEEDED_PROMPTS else plain[str(i)]
+            assert ids == want, f"prompt {i} differs"
+        assert proc.poll() is None, demo.tail(log_path, 60)
+    finally:
+        demo.stop_server(proc, grace=10.0)
+    with open(log_path, errors="replace") as f:
+        text = f.read()
+    assert "unmatched" not in text and "disagree" not in text, demo.tail(log_path, 60)
+
+
+def test_a_request_joining_running_ones_gets_no_placeholder_drafts():
+    """vLLM pads a new request with one token to compute ("x": a one-token prompt) with B
+    placeholder drafts when others run; ddtree turns that off (patches.py, Scheduler.__init__):
+    no unmatched rows, and the seeded text is the same whenever the request arrives."""
+    from vllm import SamplingParams
+    from vllm_utils import close, ddtree_spec, ddtree_state, make_llm
+
+    llm = make_llm(ddtree_spec(32))
+    try:
+        engine, texts = llm.llm_engine, []
+        params = SamplingParams(temperature=0.8, seed=123, max_tokens=24)
+        for join_after in (0, 2):
+            for i, prompt in enumerate(PROMPTS[:4]):
+                engine.add_request(f"r{join_after}_{i}", prompt, params)
+            for _ in range(join_after):
+                engine.step()
+            engine.add_request(f"x{join_after}", "x", params)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.request_id == f"x{join_after}" and out.finished:
+                        texts.append(list(out.outputs[0].token_ids))
+        assert len(texts) == 2 and texts[0] == texts[1] and len(texts[0]) == 24
+        assert ddtree_state(llm).num_unmatched_rows == 0
+    finally:
+        close(llm)
