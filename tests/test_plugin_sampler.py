@@ -25,8 +25,11 @@ from vllm_ddtree.sampling import (
     RowSampling,
     SamplingBatch,
     hsd_verify_sparse,
+    keyed_exponential,
     pack_sparse_law,
+    processed_logits,
     processed_probs_of_rows,
+    seed_key,
     top_k_draft_law,
 )
 from vllm_ddtree.tree import DraftTree, _ancestor_mask, build_tree
@@ -101,14 +104,34 @@ def _tree_batch(budget, vocab, num_draft, seed=0):
         starts.append(starts[-1] + m + 1)
     state.begin_verify(req_ids, num_draft, torch.tensor(sum(drafts, [])), starts,
                        sum(num_draft) + len(num_draft))
+    state.sample_positions = _positions(num_draft)
     return state, SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
+
+
+def _positions(num_draft: list[int], context: int = 30) -> torch.Tensor:
+    """What the runner's _prepare_inputs records for seeded rows: the position of the token
+    each flat row predicts (request r's context is ``context + r`` tokens; node rows add their
+    depth: here every tree is given its chain depth, which is all the sampler reads)."""
+    return torch.cat([context + r + torch.arange(m + 1) for r, m in enumerate(num_draft)])
+
+
+def _seeded_oracle(logits: torch.Tensor, row: int, seed: int, setting, position: int) -> int:
+    """The token of a seeded row, independently: the reference processed law
+    (sampling.processed_logits) and the position noise, by the exponential race."""
+    batch = SamplingBatch(torch.tensor([setting[0]]), torch.tensor([setting[1]]),
+                          torch.tensor([setting[2]]))
+    probs = processed_logits(logits[row][None, None], batch).softmax(-1)[0, 0]
+    noise = keyed_exponential(torch.tensor([seed_key(seed)]), torch.tensor([position]),
+                              logits.shape[1])[0]
+    return int((probs / noise).argmax())
 
 
 @pytest.mark.parametrize("rows_per_chunk", [2, 1000])
 def test_tree_sampler_walks_vllm_sampler_tokens(monkeypatch, rows_per_chunk):
     """Mixed batch (Qwen3's T 0.6 / top-k 20 / top-p 0.95, greedy, top-p only, top-k only),
-    every random request seeded: the output is the Python walk of the tokens vLLM's Sampler
-    draws for the same flat rows, whatever the chunk size."""
+    every random request seeded: the output is the Python walk of the tokens of the same flat
+    rows drawn independently (greedy: vLLM's Sampler; seeded: the reference law with the noise
+    of the row's position), whatever the chunk size."""
     from vllm.v1.sample.sampler import Sampler
 
     vocab, budget, num_draft = 50, 12, [12, 7, 12, 0]
@@ -129,11 +152,13 @@ def test_tree_sampler_walks_vllm_sampler_tokens(monkeypatch, rows_per_chunk):
 
     request = torch.repeat_interleave(torch.arange(4), torch.tensor(num_draft) + 1)
     theirs = _metadata(vocab)
-    per_row = {i: theirs.generators[int(r)] for i, r in enumerate(request.tolist())
-               if int(r) in theirs.generators}
     rows_md = vllm_metadata(theirs.temperature[request], theirs.top_k[request],
-                            theirs.top_p[request], per_row)
+                            theirs.top_p[request], {})
     sampled = Sampler()(logits.clone(), rows_md).sampled_token_ids[:, 0].tolist()
+    positions = state.sample_positions.tolist()
+    for row, r in enumerate(request.tolist()):  # seeded rows: their position's noise
+        if int(r) in theirs.generators:
+            sampled[row] = _seeded_oracle(logits, row, SETTINGS[r][3], SETTINGS[r], positions[row])
     deepest = 0
     for r, m in enumerate(num_draft):
         start = sum(num_draft[:r]) + r
@@ -171,14 +196,15 @@ def _hsd_batch(budget, vocab, seed=0):
     num_draft = [budget] * num_reqs
     state.begin_verify(req_ids, num_draft, torch.tensor(sum(drafts, [])),
                        [r * (budget + 1) for r in range(num_reqs)], num_reqs * (budget + 1))
+    state.sample_positions = _positions(num_draft)
     return state, SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu")), probs, ids, drafts
 
 
 @pytest.mark.parametrize("rows_per_chunk", [3, 1000])
 def test_hsd_chain_sampler_equals_sparse_hsd_per_request(monkeypatch, rows_per_chunk):
     """hsd_chain: each seeded request's output is :func:`hsd_verify_sparse` on its own dense
-    target law with its own generator, after the m + 1 draws vLLM's CPU op makes for its rows
-    (one seed each); the greedy request follows the argmax rule; the request whose drafts are
+    target law with its own generator (its walk rows draw with position noise, not from the
+    generator); the greedy request follows the argmax rule; the request whose drafts are
     not its proposal is walked (here: the tokens vLLM's op draws for its rows)."""
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
@@ -188,7 +214,7 @@ def test_hsd_chain_sampler_equals_sparse_hsd_per_request(monkeypatch, rows_per_c
     num_rows = 4 * (budget + 1)
     logits = torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(8)) * 2
     for r in range(4):  # drafts likely under the target too
-        logits[r * (budget + 1) + torch.arange(budget), torch.tensor(drafts[r])] += 2.0
+        logits[r * (budget + 1) + torch.arange(budget), torch.tensor(drafts[r])] += 4.0
     sampling = _metadata(vocab)
     out = TreeRejectionSampler(state)(metadata, None, logits, sampling).sampled_token_ids
 
@@ -198,8 +224,6 @@ def test_hsd_chain_sampler_equals_sparse_hsd_per_request(monkeypatch, rows_per_c
     accepted = []
     for r in (0, 2):
         gen = torch.Generator().manual_seed(SETTINGS[r][3])
-        for _ in range(budget + 1):  # the walk's draws (vLLM's CPU op: one seed per row)
-            torch.randint(0, 2**31, (1,), generator=gen)
         target = processed_probs_of_rows(logits, torch.arange(r * (budget + 1), (r + 1) * (budget + 1)),
                                          rows, apply_top_k_top_p)
         num, expect = hsd_verify_sparse(torch.tensor([drafts[r]]), probs[r:r + 1], ids[r:r + 1],
@@ -226,6 +250,7 @@ def test_hsd_chain_seeded_request_does_not_depend_on_the_batch():
                        for f, v in ((f, getattr(tree, f)) for f in tree.__dataclass_fields__)})
     alone_state.record_proposal(["r0"], one, (pack_sparse_law(probs[:1], ids[:1], vocab),))
     alone_state.begin_verify(["r0"], [budget], torch.tensor(drafts[0]), [0], budget + 1)
+    alone_state.sample_positions = state.sample_positions[: budget + 1]  # its own positions
     md = _metadata(vocab)
     alone_md = vllm_metadata(md.temperature[:1], md.top_k[:1], md.top_p[:1], {0: md.generators[0]})
     alone_spec = SpecDecodeMetadata.make_dummy([drafts[0]], torch.device("cpu"))

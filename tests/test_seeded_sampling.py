@@ -57,7 +57,7 @@ def test_sample_seeded_has_the_processed_law():
         counts = torch.zeros(VOCAB)
         for seed in range(6000):
             md = metadata({0: seed}, [temperature], top_k=top_k)
-            token = sample_seeded(logits.clone(), [0], [0], md, torch.tensor([17]))
+            token = sample_seeded(logits.clone(), [0], [0], md, torch.tensor([17]))[1]
             counts[token] += 1
         scaled = logits[0] / temperature
         if top_k is not None:
@@ -85,7 +85,7 @@ def test_a_seeded_text_does_not_depend_on_the_drafts():
     text = list(prompt)
     for _ in range(6):
         logits = _target_logits(tuple(text))[None]
-        text.append(int(sample_seeded(logits, [0], [0], md, torch.tensor([len(text)]))))
+        text.append(int(sample_seeded(logits, [0], [0], md, torch.tensor([len(text)]))[1]))
     # trees: all tokens of depth 1, two per deeper level (node -> parent index, -1 = root)
     for draft_seed in range(20):
         gen = torch.Generator().manual_seed(draft_seed)
@@ -98,7 +98,7 @@ def test_a_seeded_text_does_not_depend_on_the_drafts():
         logits = torch.stack([_target_logits(r) for r in rows])
         positions = torch.tensor([ctx] + [ctx + _depth(nodes, i) for i in range(len(nodes))])
         sampled = sample_seeded(logits, list(range(len(rows))), [0] * len(rows),
-                                metadata({0: seed}, [0.9]), positions)
+                                metadata({0: seed}, [0.9]), positions)[1]
         # the walk: from the root, follow the child whose token is the sample
         emitted, node = [], -1
         while True:

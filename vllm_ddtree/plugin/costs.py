@@ -76,24 +76,22 @@ def _grids(runner) -> tuple[list[int], list[int]]:
 def shared_cost_model(runner) -> CostModel:
     """:func:`measure_costs` on every rank of the tensor-parallel group, reduced to one model
     (each point: the slowest rank's time), checked to be the same on every rank."""
-    verify_grid, draft_grid = _grids(runner)
     failure = None
     try:
         cost = measure_costs(runner)
-        values = [0.0, *cost.verify_seconds, *cost.draft_seconds]
     except Exception as error:  # every rank must still reach the reduction below
-        failure = error
-        values = [1.0] + [0.0] * (len(verify_grid) + len(draft_grid))
-    values = max_over_ranks(values)
-    if values[0]:
+        failure, cost = error, None
+    if max_over_ranks([float(failure is not None)])[0]:
         reason = "on another rank" if failure is None else f"{type(failure).__name__}: {failure}"
         raise DDTreeConfigError(
             f"ddtree: measuring the step costs of ddtree_budget_policy 'auto' at engine start "
             f"failed ({reason}); pin a budget instead with \"ddtree_budget_policy\": \"static\" "
             "(every request drafts num_speculative_tokens nodes) and report this failure"
         ) from failure
-    split = 1 + len(verify_grid)
-    cost = CostModel(tuple(verify_grid), tuple(values[1:split]), tuple(draft_grid),
+    check_same("the step cost model's points", (cost.verify_tokens, cost.draft_requests))
+    values = max_over_ranks([*cost.verify_seconds, *cost.draft_seconds])
+    split = len(cost.verify_seconds)
+    cost = CostModel(cost.verify_tokens, tuple(values[:split]), cost.draft_requests,
                      tuple(values[split:]))
     check_same("the ddtree options and the step cost model",
                (runner.ddtree_state.options.to_dict(), cost.to_dict()))

@@ -13,6 +13,11 @@ must exist with the parameters it expects.
    K/V slots and depth drafter slots of the token budget, so a step verifies as many requests
    as the budget holds.
 4. ``SamplingParams._validate_spec_decode``: reject per request what still assumes chains.
+4b. ``Scheduler.__init__``: no placeholder drafts for newly scheduled one-token requests (vLLM
+   pads them to num_speculative_tokens -1 drafts to keep one CUDA graph shape: B wasted rows
+   that are not a proposal). ``Scheduler.schedule``: the step's clock stamp
+   (``SchedulerOutput.ddtree_clock``), the only time the "auto" policy reads, so that every
+   tensor-parallel rank decides alike (``ranks.py``).
 5. ``GPUModelRunner.__init__``: install the tree proposer, the tree sampler and the state;
    ``GPUModelRunner.initialize_kv_cache``: refuse attention layers the tree kernels cannot
    compute (``support.py``), build the K/V compactor once the caches exist and compile the
@@ -22,7 +27,8 @@ must exist with the parameters it expects.
    paused drafter) is prepared as vLLM prepares a step without speculation (no spec-decode
    metadata and none of its index arithmetic).
 7. ``GPUModelRunner._sample``: after the walk, compact the accepted path's K/V; a step without
-   drafts samples with vLLM's own sampler. ``GPUModelRunner.sample_tokens``: the step's emitted
+   drafts samples with vLLM's own sampler, seeded requests with position-keyed noise as in
+   verify steps (``sampler.sample_seeded``). ``GPUModelRunner.sample_tokens``: the step's emitted
    token count (vLLM's host lists) goes to the "auto" policy's measured rates.
 8. ``GPUModelRunner._input_fits_in_drafter``: the drafter needs depth + 1 slots past the
    committed tokens, not budget + 1 past every verified node.
@@ -34,13 +40,15 @@ must exist with the parameters it expects.
    drafts, skipping vLLM's drafter input preparation; ``take_draft_token_ids`` then sends
    none. What the step does is planned in ``_prepare_inputs`` (``TreeState.plan_step``).
 8d. ``Worker.compile_or_warm_up_model`` (GPU and CPU workers): after vLLM's warm-up, the
-   "auto" budget policy measures the step costs of this engine (``costs.py``).
+   "auto" budget policy measures the step costs of this engine (``costs.py``; under tensor
+   parallelism reduced over the ranks and compared before serving).
 9. ``CPU_ATTN`` and ``TRITON_ATTN`` backend overrides: tree attention on the CPU and on CUDA
    (stock behaviour unless the engine runs ddtree).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import time
@@ -640,13 +648,17 @@ def _wrap_sample(original):
 
             sampling_metadata = self.input_batch.sampling_metadata
             rows, requests = seeded_rows(sampling_metadata, [0] * logits.shape[0])
-            tokens = None
+            seeded = None
             if rows:  # before vLLM's sampler, which scales the logits in place
-                tokens = sample_seeded(logits, rows, requests, sampling_metadata,
+                seeded = sample_seeded(logits, rows, requests, sampling_metadata,
                                        state.sample_positions)
+                # the generators stay untouched, as in verify steps (hsd_chain draws from them)
+                sampling_metadata = dataclasses.replace(sampling_metadata, generators={})
             output = self.sampler(logits=logits, sampling_metadata=sampling_metadata)
-            if tokens is not None:
-                output.sampled_token_ids[rows, 0] = tokens.to(output.sampled_token_ids.dtype)
+            if seeded is not None:
+                row_index, tokens = seeded
+                output.sampled_token_ids[:, 0].index_copy_(
+                    0, row_index, tokens.to(output.sampled_token_ids.dtype))
             return output
         output = original(self, logits, spec_decode_metadata)
         if state is None or state.verdict is None:

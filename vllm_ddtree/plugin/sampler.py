@@ -40,7 +40,7 @@ from torch import nn
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-from vllm_ddtree.plugin.state import TreeState
+from vllm_ddtree.plugin.state import TreeState, to_device
 from vllm_ddtree.sampling import (
     RowSampling,
     SamplingBatch,
@@ -58,7 +58,7 @@ from vllm_ddtree.walk import walk
 def seeded_rows(sampling_metadata, num_draft: list[int]) -> tuple[list[int], list[int]]:
     """The flat rows of the seeded requests (each request owns ``num_draft[r] + 1`` rows,
     request-major) and the request of each row (host lists; empty without seeded requests)."""
-    generators = sampling_metadata.generators
+    generators = getattr(sampling_metadata, "generators", None)  # vLLM's always has them
     if not generators:
         return [], []
     starts = [0, *itertools.accumulate(m + 1 for m in num_draft)]
@@ -67,20 +67,24 @@ def seeded_rows(sampling_metadata, num_draft: list[int]) -> tuple[list[int], lis
 
 
 def sample_seeded(logits: torch.Tensor, rows: list[int], requests: list[int], sampling_metadata,
-                  positions: torch.Tensor) -> torch.Tensor:
+                  positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens of the seeded requests' flat ``rows`` of ``logits [T, V]``, each drawn from its
     request's processed law (temperature, then vLLM's top-k / top-p) by the exponential race
     with :func:`~vllm_ddtree.sampling.keyed_exponential` noise: a function of the request's seed
     and the position of the token (``positions [T]``: of the token each row predicts). So a
     seeded request's text depends on its seed and prompt only: not on its drafts, on the
     budget policy's choices, on what it is batched with, or on the tensor-parallel rank. No
-    host synchronisation; one :func:`row_chunks` chunk of rows at a time."""
+    host synchronisation; one :func:`row_chunks` chunk of rows at a time. Returns the rows
+    (device) and their tokens, for ``index_copy_``."""
+    if positions is None:
+        raise RuntimeError("ddtree: seeded rows without their positions (TreeState."
+                           "sample_positions is set by the runner's _prepare_inputs)")
     device, vocab = logits.device, logits.shape[1]
     generators = sampling_metadata.generators
-    keys = torch.tensor([seed_key(generators[r].initial_seed()) for r in requests],
-                        dtype=torch.int64)
-    row_index = torch.tensor(rows, dtype=torch.int64).to(device)
-    request = torch.tensor(requests, dtype=torch.int64).to(device)
+    keys = to_device([seed_key(generators[r].initial_seed()) for r in requests], torch.int64,
+                     device)
+    row_index = to_device(rows, torch.int64, device)
+    request = to_device(requests, torch.int64, device)
     temperature = sampling_metadata.temperature[request].float()
     top_k = None if sampling_metadata.top_k is None else sampling_metadata.top_k[request]
     if top_k is not None:
@@ -95,7 +99,7 @@ def sample_seeded(logits: torch.Tensor, rows: list[int], requests: list[int], sa
         noise = keyed_exponential(keys[part], positions.index_select(0, row_index[part]), vocab)
         tokens.append((chunk.softmax(dim=-1) / noise).argmax(dim=-1))
         del chunk, noise
-    return torch.cat(tokens)
+    return row_index, torch.cat(tokens)
 
 
 def sampling_batch(sampling_metadata) -> SamplingBatch | None:
@@ -153,8 +157,8 @@ class TreeRejectionSampler(nn.Module):
                               all_random=bool(getattr(sampling_metadata, "all_random", False)))
         seeded, requests = seeded_rows(sampling_metadata, num_draft)
         if seeded:  # drawn again with their own noise (sample_seeded)
-            sampled[seeded] = sample_seeded(logits, seeded, requests, sampling_metadata,
-                                            state.sample_positions)
+            sampled.index_copy_(0, *sample_seeded(logits, seeded, requests, sampling_metadata,
+                                                  state.sample_positions))
         verdict = walk(tree, sampled[rows_index])
         out_width = metadata.max_spec_len + 1
         out = torch.full((tree.token_ids.shape[0], out_width), -1, dtype=torch.int64,
