@@ -14,16 +14,10 @@ import json
 import os
 import sys
 
-PROMPTS = [
-    "def fibonacci(n):\n",
-    "import os\nimport sys\n\n\ndef main(",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-    "    for i in range(",
-    "# Copyright (c) Python Software Foundation\n\"\"\"Utilities for ",
-    "x",
-    "def parse_args(argv):\n    parser = argparse.ArgumentParser(",
-    "    return self.",
-]
+from vllm_utils import PROMPTS as _TINY_PROMPTS  # noqa: E402  (this folder is on sys.path)
+
+PROMPTS = [*_TINY_PROMPTS, "def parse_args(argv):\n    parser = argparse.ArgumentParser(",
+           "    return self."]
 SEEDED = dict(temperature=0.8, top_p=0.9, top_k=50)
 
 
@@ -72,7 +66,6 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(args.tp))))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from vllm import SamplingParams
     from vllm_utils import close, make_llm
 
