@@ -12,9 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
-from vllm_utils import PROMPTS as _TINY_PROMPTS  # noqa: E402  (this folder is on sys.path)
+from vllm_utils import PROMPTS as _TINY_PROMPTS  # this folder is the script's sys.path[0]
 
 PROMPTS = [*_TINY_PROMPTS, "def parse_args(argv):\n    parser = argparse.ArgumentParser(",
            "    return self."]
