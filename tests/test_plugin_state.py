@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import torch
 
 from vllm_ddtree.plugin.options import DDTreeOptions
-from vllm_ddtree.plugin.state import TreeState
-from vllm_ddtree.tree import build_tree, unpack_mask
+from vllm_ddtree.plugin.state import TreeState, depths_from_parents
+from vllm_ddtree.tree import _ancestor_mask, build_tree, unpack_mask
 
 DEPTH, BUDGET = 4, 12
 
@@ -62,6 +62,32 @@ def test_clip_drafts_keeps_the_usable_nodes_in_order():
             old_mask = unpack_mask(tree.ancestor_mask[row:row + 1], BUDGET + 1)[0, old + 1]
             ancestors = {new_of[j - 1] + 1 for j in range(1, BUDGET + 1) if old_mask[j]} | {0}
             assert {j for j in range(BUDGET + 1) if mask[new + 1, j]} == ancestors
+
+
+def test_verify_trees_carry_the_proposals_structure():
+    """begin_verify takes each matched tree's depths and ancestor rows from its proposal (also
+    after clipping) and builds chains from tables, instead of pointer jumping over B nodes.
+    Oracle: depths and ancestor rows recomputed from the verify tree's parents by pointer
+    jumping over all B nodes. Chains (unmatched drafts) are cut at the drafting depth L."""
+    state, tree = proposed_state()
+    requests = {"a": request(2, 5, max_tokens=100), "b": request(2, 5, max_tokens=8),
+                "c": request(2, 5, max_tokens=100)}
+    drafts = [tree.token_ids[r].tolist() for r in range(3)]
+    state.clip_drafts(["a", "b", "c"], drafts, requests, max_model_len=1000)
+    drafts[2] = drafts[2][:7]  # the scheduler kept 7 of c's nodes
+    chain = [3, 1, 4, 1, 5, 9]  # drafts of a request without a proposal: longer than L = 4
+    num_draft = [len(d) for d in drafts] + [len(chain)]
+    verify = state.begin_verify(["a", "b", "c", "z"], num_draft,
+                                torch.tensor(sum(drafts, []) + chain), [0, 20, 40, 60], 70)
+    assert verify.matched.tolist() == [True, True, True, False]
+    got = verify.tree
+    assert got.max_depth == DEPTH
+    assert got.parents[3].tolist() == [-1, 0, 1, 2] + [-1] * (BUDGET - 4)
+    assert got.token_ids[3].tolist() == chain[:DEPTH] + [-1] * (BUDGET - DEPTH)
+    assert got.num_nodes.tolist() == [len(drafts[0]), len(drafts[1]), 7, DEPTH]
+    valid = got.token_ids >= 0
+    assert torch.equal(got.depths, depths_from_parents(got.parents, valid))
+    assert torch.equal(got.ancestor_mask, _ancestor_mask(got.parents, BUDGET))
 
 
 def test_last_token_gets_no_drafts():

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
 from vllm_ddtree.plugin.options import DDTreeOptions
 from vllm_ddtree.plugin.policy import BudgetController
-from vllm_ddtree.tree import DraftTree, _ancestor_mask
+from vllm_ddtree.tree import DraftTree, _ancestor_mask, pack_mask
 from vllm_ddtree.walk import TreeVerdict
 
 
@@ -71,6 +72,19 @@ def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+@lru_cache(maxsize=16)
+def _verify_constants(width: int, depth: int, device: torch.device):
+    """Per-(width, depth) tables for :meth:`TreeState.begin_verify`, built once with device ops:
+    node index ``[B]``, chain depths ``[B]`` (node k at k + 1), the packed ancestor rows of a
+    chain ``[B + 1, W]`` (row i holds 0..i) and of a padding node ``[B + 1, W]`` (the root and
+    itself), and whether a chain node is within the drafting depth L ``[B]``."""
+    rows = torch.arange(width + 1, device=device)
+    node = rows[:width]
+    chain_mask = pack_mask(rows[None, :] <= rows[:, None])
+    pad_mask = pack_mask((rows[None, :] == rows[:, None]) | (rows[None, :] == 0))
+    return node, node + 1, chain_mask, pad_mask, node < depth
 
 
 def chain_parents(num_rows: int, width: int, device: torch.device) -> torch.Tensor:
@@ -259,7 +273,8 @@ class TreeState:
         until each request is verified or proposed for again."""
         law = {f"law{i}": t for i, t in enumerate(draft_law or ())}
         self.proposals.put(req_ids, {"tokens": tree.token_ids, "parents": tree.parents,
-                                     "scores": tree.scores, **law})
+                                     "scores": tree.scores, "depths": tree.depths,
+                                     "mask": tree.ancestor_mask, **law})
         self._latest_law_names = tuple(law)
         self._latest_rows = {req_id: row for row, req_id in enumerate(req_ids)}
         # Queued before vLLM's own copy of the draft ids, whose event vLLM waits on before it
@@ -417,8 +432,11 @@ class TreeState:
         scores = self.proposals.get("scores", slots)
         old_parents = parents.gather(1, index)
         new_parents = torch.where(old_parents >= 0, inverse.gather(1, old_parents.clamp(min=0)), -1)
+        new_parents = torch.where(valid, new_parents, -1)
         self.proposals.set_rows("tokens", slots, torch.where(valid, tokens.gather(1, index), -1))
-        self.proposals.set_rows("parents", slots, torch.where(valid, new_parents, -1))
+        self.proposals.set_rows("parents", slots, new_parents)
+        self.proposals.set_rows("depths", slots, depths_from_parents(new_parents, valid))
+        self.proposals.set_rows("mask", slots, _ancestor_mask(new_parents, self.depth))
         self.proposals.set_rows("scores", slots, torch.where(valid, scores.gather(1, index),
                                                              float("-inf")))
         # hsd_chain draft laws need no re-indexing: a chain keeps a prefix of its nodes
@@ -439,9 +457,10 @@ class TreeState:
         proposal: it is verified as the chain with parents [-1, 0, -1].
         A matched request keeps its proposal's scores; chains get score 0 per node.
         """
-        num_rows, width = len(req_ids), self.budget
+        num_rows, width, depth = len(req_ids), self.budget, self.depth
         device = self.device
-        node = torch.arange(width, device=device)
+        node, chain_depths, chain_mask, pad_mask, within_depth = _verify_constants(
+            width, depth, device)
         counts = to_device(num_draft, torch.int64, device)
         in_draft = node[None, :] < counts[:, None]  # [R, B]
         # scheduled drafts, padded to [R, B] with -1
@@ -454,31 +473,39 @@ class TreeState:
         slots = to_device(self.proposals.slots(req_ids), torch.int64, device)
         p_tokens = self.proposals.get("tokens", slots)
         draft_law = None
-        scores = torch.zeros(num_rows, width, device=device)  # log q of the prefix, 0 for chains
+        chains = chain_parents(num_rows, width, device)
         if p_tokens is None or p_tokens.shape[1] != width:
-            matched = torch.zeros(num_rows, dtype=torch.bool, device=device)
-            tokens, parents = scheduled, chain_parents(num_rows, width, device)
+            matched = torch.zeros(num_rows, 1, dtype=torch.bool, device=device)
+            tokens, parents, scores = scheduled, chains, torch.zeros(num_rows, width, device=device)
+            depths, mask = chain_depths.expand(num_rows, width), chain_mask
         else:
-            p_parents = self.proposals.get("parents", slots)
             # the proposal's tokens as the scheduler saw them (zero-probability padding -> 0)
-            same = (torch.where(in_draft, p_tokens.clamp(min=0), -1) == scheduled).all(dim=1)
-            matched = (slots >= 0) & same
-            parents = torch.where(matched[:, None], p_parents, chain_parents(num_rows, width, device))
-            tokens = torch.where(matched[:, None], p_tokens, scheduled)
-            scores = torch.where(matched[:, None], self.proposals.get("scores", slots), scores)
+            same = (torch.where(in_draft, p_tokens.clamp(min=0), -1) == scheduled).all(
+                dim=1, keepdim=True)
+            matched = (slots[:, None] >= 0) & same  # [R, 1]
+            # A matched request's tree is its proposal (any prefix of it is a subtree: its
+            # depths and ancestor rows hold); others are verified as chains (scores 0).
+            parents = torch.where(matched, self.proposals.get("parents", slots), chains)
+            tokens = torch.where(matched, p_tokens, scheduled)
+            scores = self.proposals.get("scores", slots).masked_fill(~matched, 0.0)
+            depths = torch.where(matched, self.proposals.get("depths", slots), chain_depths)
+            mask = torch.where(matched[:, :, None], self.proposals.get("mask", slots), chain_mask)
             if self._latest_law_names:
                 draft_law = tuple(self.proposals.get(name, slots) for name in self._latest_law_names)
-        tokens = torch.where(in_draft, tokens, -1)
-        parents = torch.where(in_draft, parents, -1)
+        # A chain is cut at the drafting depth L (no verified node is deeper than L, so the
+        # walk's rounds are bounded by L, not B); the nodes past it are padding.
+        real = in_draft & (matched | within_depth)
+        rows_real = torch.cat([torch.ones_like(real[:, :1]), real], dim=1)
         tree = DraftTree(
-            token_ids=tokens,
-            parents=parents,
-            depths=depths_from_parents(parents, in_draft),
-            scores=scores.masked_fill(~in_draft, float("-inf")),
-            num_nodes=counts,
-            ancestor_mask=_ancestor_mask(parents, width),
-            max_depth=width,
+            token_ids=torch.where(real, tokens, -1),
+            parents=torch.where(real, parents, -1),
+            depths=torch.where(real, depths, 0),
+            scores=scores.masked_fill(~real, float("-inf")),
+            num_nodes=real.sum(dim=1),
+            ancestor_mask=torch.where(rows_real[:, :, None], mask, pad_mask),
+            max_depth=depth,
         )
+        matched = matched.squeeze(1)
         self.last_num_draft = list(num_draft)
         self.verify = VerifyBatch(tree=tree, num_draft=list(num_draft),
                                   query_start=list(query_start), num_tokens=num_tokens,
