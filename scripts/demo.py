@@ -46,7 +46,7 @@ def server_command(pair: str, method: str, num_spec: int, port: int) -> list[str
     spec = {"method": method, "model": os.path.join(pair, "drafter"), "num_speculative_tokens": num_spec}
     if method == "ddtree":
         # trees in every step, to show them at work: the default policy ("auto") would rightly
-        # pause this drafter on a CPU, where it does not pay (README, "Tree budgets per step")
+        # pause this drafter on a CPU, where it does not pay (docs/budget-policy.md)
         spec["ddtree_budget_policy"] = "static"
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
