@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -100,6 +101,7 @@ def label(counter: Counter, owner, name: str, stage: str) -> None:
     """Run ``owner.name`` (a method, maybe inherited) inside ``stage``."""
     original = getattr(owner, name)
 
+    @functools.wraps(original)  # the plugin's install checks vLLM's signatures through it
     def staged(*args, **kwargs):
         with counter.stage(stage):
             return original(*args, **kwargs)

@@ -428,6 +428,18 @@ def test_check_live_names_each_broken_requirement(monkeypatch):
     ], problems
     monkeypatch.setattr(versions, "REQUIREMENTS", (fine,))
     versions.check_live((0, 32))
+    # another wrapper (a profiler, another plugin) over the symbol: vLLM's own code is checked
+    import functools
+    import json.decoder
+
+    original = json.decoder.JSONDecoder.decode
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(json.decoder.JSONDecoder, "decode", wrapper)
+    versions.check_live((0, 32))
 
 
 # 3. per-request rejection (one real engine) --------------------------------------------------

@@ -202,6 +202,7 @@ def check_live(version: tuple[int, int]) -> None:
             continue
         func = obj.fget if isinstance(obj, property) else obj
         func = getattr(func, "__func__", func)  # staticmethod / classmethod
+        func = inspect.unwrap(func)  # vLLM's own code under any functools.wraps wrapper
         params = None
         if inspect.isfunction(func):
             params = list(inspect.signature(func).parameters)
