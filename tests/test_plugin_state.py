@@ -9,10 +9,27 @@ from types import SimpleNamespace
 import torch
 
 from vllm_ddtree.plugin.options import DDTreeOptions
-from vllm_ddtree.plugin.state import TreeState, depths_from_parents
+from vllm_ddtree.plugin.state import TreeState
 from vllm_ddtree.tree import _ancestor_mask, build_tree, unpack_mask
 
 DEPTH, BUDGET = 4, 12
+
+
+def depths_from_parents(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``[R, B]`` depth of each node (1 for root children, 0 for padding), by pointer jumping.
+
+    Each node keeps an ancestor and its distance to it; every round jumps to the ancestor's
+    ancestor, so ceil(log2(B)) + 1 rounds reach the root. Example: chain parents [-1, 0, 1]
+    -> depths [1, 2, 3].
+    """
+    ancestor = parents
+    distance = torch.ones_like(parents)
+    for _ in range(parents.shape[1].bit_length() + 1):
+        has = ancestor >= 0
+        hop = ancestor.clamp(min=0)
+        distance = torch.where(has, distance + distance.gather(1, hop), distance)
+        ancestor = torch.where(has, ancestor.gather(1, hop), ancestor)
+    return torch.where(valid, distance, 0)
 
 
 def request(num_prompt, num_out, max_tokens):

@@ -92,23 +92,6 @@ def chain_parents(num_rows: int, width: int, device: torch.device) -> torch.Tens
     return (torch.arange(width, device=device) - 1).expand(num_rows, width)
 
 
-def depths_from_parents(parents: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``[R, B]`` depth of each node (1 for root children, 0 for padding), by pointer jumping.
-
-    Each node keeps an ancestor and its distance to it; every round jumps to the ancestor's
-    ancestor, so ceil(log2(B)) + 1 rounds reach the root. Example: chain parents [-1, 0, 1]
-    -> depths [1, 2, 3].
-    """
-    ancestor = parents
-    distance = torch.ones_like(parents)
-    for _ in range(parents.shape[1].bit_length() + 1):
-        has = ancestor >= 0
-        hop = ancestor.clamp(min=0)
-        distance = torch.where(has, distance + distance.gather(1, hop), distance)
-        ancestor = torch.where(has, ancestor.gather(1, hop), ancestor)
-    return torch.where(valid, distance, 0)
-
-
 class ProposalStore:
     """Each request's latest proposal, kept on the device until it is verified or replaced.
 
@@ -435,8 +418,11 @@ class TreeState:
         new_parents = torch.where(valid, new_parents, -1)
         self.proposals.set_rows("tokens", slots, torch.where(valid, tokens.gather(1, index), -1))
         self.proposals.set_rows("parents", slots, new_parents)
-        self.proposals.set_rows("depths", slots, depths_from_parents(new_parents, valid))
-        self.proposals.set_rows("mask", slots, _ancestor_mask(new_parents, self.depth))
+        # a kept node keeps its depth (its ancestors are kept too); kept nodes are shallower
+        # than L, so pointer jumping over L - 1 levels rebuilds their ancestor rows
+        depths = self.proposals.get("depths", slots)
+        self.proposals.set_rows("depths", slots, torch.where(valid, depths.gather(1, index), 0))
+        self.proposals.set_rows("mask", slots, _ancestor_mask(new_parents, self.depth - 1))
         self.proposals.set_rows("scores", slots, torch.where(valid, scores.gather(1, index),
                                                              float("-inf")))
         # hsd_chain draft laws need no re-indexing: a chain keeps a prefix of its nodes
