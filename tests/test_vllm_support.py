@@ -169,7 +169,7 @@ def test_hybrid_without_layer_types_is_refused(tmp_path):
 
 def test_pipeline_parallelism_is_refused():
     """vLLM's CPU platform builds a pipeline_parallel_size=2 configuration (no engine starts)."""
-    assert_refused(TARGET, "pipeline_parallel_size=2", "last pipeline stage",
+    assert_refused(TARGET, "pipeline_parallel_size=2", "V1 model runner", "across pipeline stages",
                    "--pipeline-parallel-size 1", pipeline_parallel_size=2)
 
 

@@ -134,8 +134,9 @@ class TreeRejectionSampler(nn.Module):
             raise ValueError(f"logits.shape={tuple(logits.shape)}, expected "
                              f"[{sum(num_draft) + len(num_draft)}, vocab] for {num_draft=}")
         verify = state.verify
-        if verify is None or verify.num_draft != num_draft:
-            # dummy sampler runs and steps without proposals: verify the drafts as chains
+        dummy = verify is None or verify.num_draft != num_draft
+        if dummy:
+            # vLLM's dummy sampler runs (warm-up): verify the drafts as chains
             starts = [0, *itertools.accumulate(m + 1 for m in num_draft[:-1])]
             verify = state.begin_verify(
                 req_ids=[f"__chain_{i}" for i in range(len(num_draft))],
@@ -182,4 +183,6 @@ class TreeRejectionSampler(nn.Module):
                                       ids_q, rows, apply_top_k_top_p, seeded)
             out = torch.where(use_hsd[:, None], hsd_out[:, :out_width], out)
             state.verdict = None
+        if dummy:  # no tree left behind for a later dummy forward's attention to read
+            state.verify = None
         return SamplerOutput(sampled_token_ids=out.to(torch.int32), logprobs_tensors=None)

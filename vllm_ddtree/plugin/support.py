@@ -8,7 +8,8 @@ is wrong for trees:
 
 * recurrent layers (Mamba, GDN, linear attention): their state would advance along the
   flattened rows, through siblings and cousins, instead of along each root-to-node path;
-* pipeline parallelism: only the last stage sees the walk's verdict and compacts K/V;
+* pipeline parallelism: vLLM's V1 runner cannot run a DFlash drafter across stages (see
+  docs/parallelism.md);
 * attention other than a plain softmax over the context and the ancestors, which is all the
   tree kernels compute: sliding windows, sinks, logit soft-capping, ALiBi, chunked local or
   dual chunk attention, bidirectional multimodal prefixes, cross / encoder attention, and
@@ -46,8 +47,9 @@ def check_target(model_config, parallel_config) -> None:
     if parallel_config.pipeline_parallel_size > 1:
         raise DDTreeConfigError(
             f"ddtree: pipeline_parallel_size={parallel_config.pipeline_parallel_size} is not "
-            "supported (only the last pipeline stage learns the accepted path and compacts "
-            "K/V); use --pipeline-parallel-size 1"
+            "supported: vLLM's V1 model runner, which ddtree runs on, cannot run a DFlash "
+            "drafter across pipeline stages (vLLM's own dflash fails the same way); use "
+            "--pipeline-parallel-size 1 and --tensor-parallel-size to split the target"
         )
     recurrent = recurrent_layer_kinds(model_config)
     if recurrent:
