@@ -16,6 +16,7 @@ One :class:`TreeState` belongs to one model runner (no module-global context). A
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from functools import lru_cache
@@ -447,16 +448,17 @@ class TreeState:
         device = self.device
         node, chain_depths, chain_mask, pad_mask, within_depth = _verify_constants(
             width, depth, device)
-        counts = to_device(num_draft, torch.int64, device)
+        # one upload: draft counts, first draft in the flat list, proposal slot (-1: none)
+        host = [num_draft, list(itertools.accumulate([0] + num_draft[:-1])),
+                self.proposals.slots(req_ids)]
+        counts, starts, slots = to_device(host, torch.int64, device)
         in_draft = node[None, :] < counts[:, None]  # [R, B]
         # scheduled drafts, padded to [R, B] with -1
         flat_drafts = draft_token_ids.to(device=device, dtype=torch.int64).flatten()
-        starts = to_device([0] + num_draft[:-1], torch.int64, device).cumsum(0)
         flat_index = (starts[:, None] + node[None, :]).clamp(max=max(flat_drafts.numel() - 1, 0))
         if flat_drafts.numel() == 0:
             flat_drafts = torch.full((1,), -1, dtype=torch.int64, device=device)
         scheduled = torch.where(in_draft, flat_drafts[flat_index], -1)
-        slots = to_device(self.proposals.slots(req_ids), torch.int64, device)
         p_tokens = self.proposals.get("tokens", slots)
         draft_law = None
         chains = chain_parents(num_rows, width, device)
