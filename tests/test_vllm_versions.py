@@ -62,8 +62,7 @@ class Sources:
             if isinstance(node, ast.ImportFrom):
                 for alias in node.names:
                     if (alias.asname or alias.name) == head:
-                        source = _absolute(module, node, self.is_module(module + ".__init__")
-                                           or self.wheel_has_package(module))
+                        source = _absolute(module, node, self.wheel_has_package(module))
                         if self.is_module(f"{source}.{alias.name}") and not rest:
                             return self.module(f"{source}.{alias.name}")[0], None
                         return self.find(source, ".".join([alias.name, *rest]), depth + 1)

@@ -78,14 +78,15 @@ def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 @lru_cache(maxsize=16)
 def _verify_constants(width: int, depth: int, device: torch.device):
     """Per-(width, depth) tables for :meth:`TreeState.begin_verify`, built once with device ops:
-    node index ``[B]``, chain depths ``[B]`` (node k at k + 1), the packed ancestor rows of a
-    chain ``[B + 1, W]`` (row i holds 0..i) and of a padding node ``[B + 1, W]`` (the root and
-    itself), and whether a chain node is within the drafting depth L ``[B]``."""
+    node index ``[B]``, chain parents ``[B]`` (node k hangs off k - 1) and depths ``[B]``
+    (k + 1), the packed ancestor rows of a chain ``[B + 1, W]`` (row i holds 0..i) and of a
+    padding node ``[B + 1, W]`` (the root and itself), and whether a chain node is within the
+    drafting depth L ``[B]``."""
     rows = torch.arange(width + 1, device=device)
     node = rows[:width]
     chain_mask = pack_mask(rows[None, :] <= rows[:, None])
     pad_mask = pack_mask((rows[None, :] == rows[:, None]) | (rows[None, :] == 0))
-    return node, node + 1, chain_mask, pad_mask, node < depth
+    return node, node - 1, node + 1, chain_mask, pad_mask, node < depth
 
 
 def chain_parents(num_rows: int, width: int, device: torch.device) -> torch.Tensor:
@@ -446,7 +447,7 @@ class TreeState:
         """
         num_rows, width, depth = len(req_ids), self.budget, self.depth
         device = self.device
-        node, chain_depths, chain_mask, pad_mask, within_depth = _verify_constants(
+        node, chain, chain_depths, chain_mask, pad_mask, within_depth = _verify_constants(
             width, depth, device)
         # one upload: draft counts, first draft in the flat list, proposal slot (-1: none)
         host = [num_draft, list(itertools.accumulate([0] + num_draft[:-1])),
@@ -461,7 +462,7 @@ class TreeState:
         scheduled = torch.where(in_draft, flat_drafts[flat_index], -1)
         p_tokens = self.proposals.get("tokens", slots)
         draft_law = None
-        chains = chain_parents(num_rows, width, device)
+        chains = chain.expand(num_rows, width)
         if p_tokens is None or p_tokens.shape[1] != width:
             matched = torch.zeros(num_rows, 1, dtype=torch.bool, device=device)
             tokens, parents, scores = scheduled, chains, torch.zeros(num_rows, width, device=device)
