@@ -313,3 +313,35 @@ def test_peak_memory_is_bounded_by_the_chunk(monkeypatch):
         lambda: bench.old_tree_path(logits, state.verify.tree, num_draft, sampling)) / size
     assert new < 0.6, new
     assert old > 4, old
+
+
+@pytest.mark.parametrize("num_draft", [[12, 12, 12], [12, 5, 0]])
+def test_greedy_tree_sampler_is_the_argmax_walk(num_draft):
+    """Greedy: the output is the Python walk of each row's argmax, in vLLM's int32 layout,
+    whether the rows are a view (equal draft counts) or gathered by verify_rows."""
+    vocab = 50
+    state, metadata = _tree_batch(12, vocab, num_draft, seed=3)
+    tree = state.verify.tree
+    logits = torch.randn(sum(num_draft) + len(num_draft), vocab,
+                         generator=torch.Generator().manual_seed(4))
+    for r in range(len(num_draft)):  # each row prefers its first child: deep walks
+        start, seen = sum(num_draft[:r]) + r, set()
+        for k in range(num_draft[r]):
+            parent = int(tree.parents[r, k])
+            if parent not in seen:
+                seen.add(parent)
+                logits[start + parent + 1, int(tree.token_ids[r, k])] += 8.0
+    out = TreeRejectionSampler(state)(metadata, None, logits, Greedy()).sampled_token_ids
+    assert out.dtype == torch.int32 and out.shape == (len(num_draft), max(num_draft) + 1)
+    sampled, deepest = logits.argmax(-1).tolist(), 0
+    for r, m in enumerate(num_draft):
+        start = sum(num_draft[:r]) + r
+        children = {(int(tree.parents[r, k]), int(tree.token_ids[r, k])): k for k in range(m)}
+        node, expect = -1, []
+        while (node, sampled[start + node + 1]) in children:
+            node = children[(node, sampled[start + node + 1])]
+            expect.append(int(tree.token_ids[r, node]))
+        expect.append(sampled[start + node + 1])
+        assert out[r].tolist() == expect + [-1] * (max(num_draft) + 1 - len(expect)), r
+        deepest = max(deepest, len(expect) - 1)
+    assert deepest >= 3

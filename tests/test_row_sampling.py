@@ -149,3 +149,30 @@ def test_ranked_log_probs_chunks_are_bit_identical(monkeypatch, rows_per_chunk, 
     values, ids = _ranked_log_probs(logits, 20)
     assert torch.equal(values, whole_values)
     assert torch.equal(ids, whole_ids)
+
+
+@pytest.mark.parametrize("num_draft", [[4], [3, 3, 3], [2, 0, 5]])
+@pytest.mark.parametrize("all_random", [False, True])
+def test_row_sampling_expand_equal_drafts_and_all_random(num_draft, all_random):
+    """Equal draft counts broadcast each request's parameters instead of indexing them: the
+    same rows as indexing row by row; ``all_random`` leaves out the greedy bookkeeping. vLLM's
+    ops get contiguous top-k / top-p rows."""
+    num_reqs, vocab = len(num_draft), 50
+    temperature = torch.tensor([0.7, 1.2, 0.4][:num_reqs])
+    if not all_random:
+        temperature[-1] = 0.0
+    sampling = SamplingBatch(temperature, top_k=torch.tensor([0, 7, 60][:num_reqs], dtype=torch.int32),
+                             top_p=torch.tensor([0.9, 1.0, 0.5][:num_reqs]))
+    cu = torch.tensor(num_draft).add(1).cumsum(0).to(torch.int32)
+    rows = RowSampling.expand(sampling, cu, num_draft, vocab, all_random=all_random)
+    request = torch.repeat_interleave(torch.arange(num_reqs), torch.tensor(num_draft) + 1)
+    greedy = temperature[request] < 1e-5
+    assert torch.equal(rows.temperature, torch.where(greedy, 1.0, temperature[request]))
+    assert rows.is_greedy is None if all_random else torch.equal(rows.is_greedy, greedy)
+    assert rows.top_k.tolist() == [[vocab, 7, vocab][r] for r in request.tolist()]
+    assert rows.top_k.dtype == torch.int32 and rows.top_k.is_contiguous()
+    assert torch.equal(rows.top_p, sampling.top_p[request]) and rows.top_p.is_contiguous()
+    # vLLM's metadata holds the vocabulary size for "no top-k": taken as it is
+    in_range = SamplingBatch(temperature, top_k=rows.top_k[cu.long() - 1], top_p=sampling.top_p)
+    taken = RowSampling.expand(in_range, cu, num_draft, vocab, all_random, top_k_in_range=True)
+    assert torch.equal(taken.top_k, rows.top_k) and taken.top_k.is_contiguous()

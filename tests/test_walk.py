@@ -242,3 +242,26 @@ def test_verify_tree_rejects_bad_shapes():
         verify_tree(tree, torch.randn(2, 4, 10))
     with pytest.raises(ValueError, match="sampled.shape"):
         walk(tree, torch.zeros(2, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("width", [0, 1, 5, 31, 32, 40])
+def test_walk_of_first_nodes_matches_python_walk(width):
+    """The sampler walks ``first_nodes(width)``: ancestor rows cut to ceil((width + 1) / 32)
+    words of a wider mask, a depth bound of min(L, width)."""
+    gen = torch.Generator().manual_seed(width)
+    batch, vocab, budget, depth = 6, 3, 70, 9
+    logits = torch.randn(batch, depth, vocab, generator=gen) * 3
+    tree = build_tree(logits, torch.randint(1, budget + 1, (batch,), generator=gen),
+                      max_budget=budget).first_nodes(width)
+    sampled = torch.randint(0, vocab, (batch, width + 1), generator=gen)
+    for r in range(batch):
+        for k in range(int(tree.num_nodes[r])):
+            if torch.rand(1, generator=gen) < 0.9:
+                sampled[r, int(tree.parents[r, k]) + 1] = tree.token_ids[r, k]
+    v = walk(tree, sampled)
+    assert v.output_tokens.shape == (batch, tree.max_depth + 1)
+    for r in range(batch):
+        expect = _python_walk(tree, r, sampled[r].tolist())
+        assert v.output_tokens[r].tolist() == expect + [-1] * (tree.max_depth + 1 - len(expect))
+        assert int(v.num_accepted[r]) == len(expect) - 1
+        assert int(v.bonus_token[r]) == expect[-1]

@@ -34,6 +34,7 @@ import bisect
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -239,6 +240,13 @@ SampleOp = Callable[[torch.Tensor, dict, torch.Tensor | None, torch.Tensor | Non
 MaskOp = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
 
 
+@lru_cache(maxsize=64)
+def _row_constants(width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(zero [1], columns [width + 1])`` int64 for :func:`verify_rows`, built once."""
+    columns = torch.arange(width + 1, device=device)
+    return columns[:1] * 0, columns
+
+
 def verify_rows(cu_num_rows: torch.Tensor, width: int) -> torch.Tensor:
     """``[R, width + 1]`` int64 flat row of each request's root and nodes, on the device.
 
@@ -248,45 +256,69 @@ def verify_rows(cu_num_rows: torch.Tensor, width: int) -> torch.Tensor:
     ``[[0, 1, 2, 3], [4, 4, 4, 4], [5, 6, 7, 7]]``.
     """
     ends = cu_num_rows.long()
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    cols = torch.arange(width + 1, device=ends.device)
-    return starts[:, None] + torch.minimum(cols[None, :], (ends - starts - 1)[:, None])
+    zero, columns = _row_constants(width, ends.device)
+    starts = torch.cat([zero, ends[:-1]])
+    return torch.minimum(starts[:, None] + columns, ends[:, None] - 1)
 
 
 @dataclass(frozen=True)
 class RowSampling:
     """Per-request sampling parameters expanded to the T flat rows (vLLM's ops take rows)."""
 
-    temperature: torch.Tensor  # [T] float32, 1 on greedy rows
-    is_greedy: torch.Tensor  # [T] bool
+    temperature: torch.Tensor  # [T] float32, 1 on greedy rows (may be a broadcast view)
+    is_greedy: torch.Tensor | None  # [T] bool; None: no row is greedy
     top_k: torch.Tensor | None  # [T] in [1, vocab] (vocab: no top-k)
     top_p: torch.Tensor | None  # [T]
     generators: tuple[tuple[int, torch.Generator], ...]  # (row, generator) of seeded rows, by row
 
     @classmethod
     def expand(cls, sampling: SamplingBatch, cu_num_rows: torch.Tensor, num_draft: list[int],
-               vocab: int) -> RowSampling:
+               vocab: int, all_random: bool = False, top_k_in_range: bool = False) -> RowSampling:
         """Expand ``sampling`` (one entry per request) to rows, on the device: no per-row host
         data but the seeded rows' generators, which vLLM's op takes as a dict keyed by row.
+        ``all_random`` (vLLM's ``SamplingMetadata.all_random``: no request is greedy) skips
+        the greedy rows' bookkeeping: ``is_greedy`` is None. ``top_k_in_range``: every top-k is
+        already in [1, vocab] (vLLM's ``InputBatch`` stores the vocabulary size for "no
+        top-k"), so it is taken as it is.
+
+        When every request has the same m drafts, request r owns rows ``r (m + 1) ..`` and its
+        parameters are broadcast to ``[R, m + 1]``, the expansion folded into the op that
+        makes each field; otherwise each field is indexed by the request of each row.
 
         Example: num_draft [1, 2] (cu [2, 5]), temperature [0.6, 0.0], request 0 seeded with g ->
         temperature [0.6, 0.6, 1.0, 1.0, 1.0], generators ((0, g), (1, g)).
         """
         num_rows = sum(num_draft) + len(num_draft)
-        row = torch.arange(num_rows, dtype=cu_num_rows.dtype, device=cu_num_rows.device)
-        request = torch.searchsorted(cu_num_rows, row, right=True)  # [T] request of each row
-        is_greedy = sampling.is_greedy[request]
-        temperature = torch.where(is_greedy, 1.0, sampling.temperature[request].float())
-        top_k = None
+        if len(set(num_draft)) == 1:
+            shape = (len(num_draft), num_draft[0] + 1)
+
+            def per_row(values: torch.Tensor) -> torch.Tensor:  # [R] -> [R, m + 1] view
+                return values[:, None].expand(shape)
+        else:
+            row = torch.arange(num_rows, dtype=cu_num_rows.dtype, device=cu_num_rows.device)
+            request = torch.searchsorted(cu_num_rows, row, right=True)  # [T] request of each row
+
+            def per_row(values: torch.Tensor) -> torch.Tensor:  # [R] -> [T]
+                return values[request]
+        temperature = per_row(sampling.temperature.float())
+        is_greedy = None
+        if not all_random:
+            is_greedy = (temperature < SAMPLING_EPS).reshape(num_rows)
+            temperature = torch.where(is_greedy.view(temperature.shape), 1.0, temperature)
+        # NOTE: vLLM's ops read their per-row parameters as contiguous rows
+        top_k = top_p = None
         if sampling.top_k is not None:
-            k = sampling.top_k[request]
-            top_k = torch.where((k <= 0) | (k > vocab), vocab, k)
-        top_p = None if sampling.top_p is None else sampling.top_p[request]
+            k = per_row(sampling.top_k)
+            if not top_k_in_range:  # 0 or above vocab: no top-k
+                k = torch.where(k > 0, k, vocab).clamp_(max=vocab)
+            top_k = k.contiguous().view(num_rows)
+        if sampling.top_p is not None:
+            top_p = per_row(sampling.top_p).contiguous().view(num_rows)
         starts = [0, *itertools.accumulate(m + 1 for m in num_draft)]  # host, per request
         generators = tuple(sorted(
             ((starts[r] + i, gen) for r, gen in (sampling.generators or {}).items()
              for i in range(num_draft[r] + 1)), key=lambda pair: pair[0]))
-        return cls(temperature, is_greedy, top_k, top_p, generators)
+        return cls(temperature.reshape(num_rows), is_greedy, top_k, top_p, generators)
 
     def generators_in(self, start: int, end: int) -> dict[int, torch.Generator]:
         """The seeded rows in ``[start, end)``, keyed by row - start, in row order."""
@@ -303,24 +335,28 @@ def sample_rows(logits: torch.Tensor, rows: RowSampling | None, sample_op: Sampl
                 all_random: bool = False) -> torch.Tensor:
     """One target token per flat row: ``logits [T, V]`` -> ``[T]`` int64.
 
-    Greedy rows: argmax of the raw logits (no copy; skipped when ``all_random``). The others:
+    Greedy rows: argmax of the raw logits (no copy; skipped when ``all_random`` or when
+    ``rows.is_greedy`` is None). The others:
     ``sample_op`` (vLLM's top-k/top-p sampler) on one :func:`row_chunks` chunk at a time, each
     a float32 copy divided by the temperature (the op may update it in place), freed before the
     next one: the extra memory is about what the op costs on one chunk. Seeded rows draw from
     their generator in row order, wherever the chunks fall.
     """
-    greedy = None if all_random and rows is not None else logits.argmax(dim=-1)
     if rows is None:
-        return greedy
+        return logits.argmax(dim=-1)
+    greedy = None if all_random or rows.is_greedy is None else logits.argmax(dim=-1)
     num_rows, vocab = logits.shape
-    sampled = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    parts = []
     for start, end in row_chunks(num_rows, vocab):
         chunk = torch.div(logits[start:end], rows.temperature[start:end, None])  # [c, V] float32
         part = slice(start, end)
         tokens, _ = sample_op(chunk, rows.generators_in(start, end), _take(rows.top_k, part),
                               _take(rows.top_p, part))
-        sampled[start:end] = tokens
+        parts.append(tokens)
         del chunk, tokens  # before the next chunk's copy
+    if not parts:
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
+    sampled = (parts[0] if len(parts) == 1 else torch.cat(parts)).long()
     return sampled if greedy is None else torch.where(rows.is_greedy, greedy, sampled)
 
 

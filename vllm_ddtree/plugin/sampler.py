@@ -11,10 +11,11 @@ Memory: the rows are never padded nor copied as a whole. Greedy rows take the ar
 logits; the others are sampled by vLLM's own top-k/top-p sampler (the runner's
 ``Sampler.topk_topp_sampler``: FlashInfer on CUDA, its native or CPU op elsewhere) one chunk of
 rows at a time (:func:`vllm_ddtree.sampling.sample_rows`), so the extra memory is a few chunks
-whatever T is. The walk only sees one token per row, arranged ``[R, width + 1]`` by a row index
-built on the device from vLLM's ``cu_num_sampled_tokens``
-(:func:`vllm_ddtree.sampling.verify_rows`). ``hsd_chain`` chains are verified the same way
-against their sparse draft law (:func:`vllm_ddtree.sampling.hsd_verify_rows`).
+whatever T is. The walk only sees one token per row, arranged ``[R, width + 1]``: a view of the
+flat rows when every request has ``width`` drafts, else by a row index built on the device from
+vLLM's ``cu_num_sampled_tokens`` (:func:`vllm_ddtree.sampling.verify_rows`). ``hsd_chain``
+chains are verified the same way against their sparse draft law
+(:func:`vllm_ddtree.sampling.hsd_verify_rows`).
 
 Seeded requests (``SamplingParams.seed``): every token of a seeded request, in verify steps
 and in steps without drafts alike, is drawn with noise that is a function of the request's seed
@@ -42,6 +43,7 @@ from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
 from vllm_ddtree.plugin.state import TreeState, to_device
 from vllm_ddtree.sampling import (
+    PLACEHOLDER_TOKEN_ID,
     RowSampling,
     SamplingBatch,
     hsd_verify_rows,
@@ -148,23 +150,29 @@ class TreeRejectionSampler(nn.Module):
         # Only the widest scheduled tree is walked: [R, max m + 1], not [R, B + 1]
         # (vLLM's warm-up runs max_num_seqs requests with one draft each).
         width = max(num_draft, default=0)
-        tree = verify.tree.first_nodes(width)
-        rows_index = verify_rows(metadata.cu_num_sampled_tokens, width)  # [R, width + 1]
+        tree = verify.tree
+        if width != tree.max_budget or tree.max_depth > width:  # else first_nodes is the tree
+            tree = tree.first_nodes(width)
         sampling = sampling_batch(sampling_metadata)
+        all_random = bool(getattr(sampling_metadata, "all_random", False))
         rows = None if sampling is None else RowSampling.expand(
             dataclasses.replace(sampling, generators=None), metadata.cu_num_sampled_tokens,
-            num_draft, logits.shape[1])
-        sampled = sample_rows(logits, rows, self.topk_topp_sampler,
-                              all_random=bool(getattr(sampling_metadata, "all_random", False)))
+            num_draft, logits.shape[1], all_random=all_random, top_k_in_range=True)
+        sampled = sample_rows(logits, rows, self.topk_topp_sampler, all_random=all_random)
         seeded, requests = seeded_rows(sampling_metadata, num_draft)
         if seeded:  # drawn again with their own noise (sample_seeded)
             sampled.index_copy_(0, *sample_seeded(logits, seeded, requests, sampling_metadata,
                                                   state.sample_positions))
-        verdict = walk(tree, sampled[rows_index])
-        out_width = metadata.max_spec_len + 1
-        out = torch.full((tree.token_ids.shape[0], out_width), -1, dtype=torch.int64,
-                         device=logits.device)
-        keep = min(out_width, verdict.output_tokens.shape[1])
+        rows_index = None
+        if len(set(num_draft)) == 1:  # request r owns rows r (width + 1) .. (r + 1)(width + 1) - 1
+            verdict = walk(tree, sampled.reshape(len(num_draft), width + 1))
+        else:
+            rows_index = verify_rows(metadata.cu_num_sampled_tokens, width)  # [R, width + 1]
+            verdict = walk(tree, sampled[rows_index])
+        # vLLM's layout: [R, max_spec_len + 1] int32, the walk's output then -1
+        out = torch.full((tree.token_ids.shape[0], metadata.max_spec_len + 1),
+                         PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=logits.device)
+        keep = min(out.shape[1], verdict.output_tokens.shape[1])
         out[:, :keep] = verdict.output_tokens[:, :keep]
         state.verdict = verdict
         if (state.options.mode == "hsd_chain" and verify.draft_law is not None
@@ -179,9 +187,11 @@ class TreeRejectionSampler(nn.Module):
                       if num_draft[r] == width}
             law = verify.draft_law  # (packed,) from the proposer, or (probs, ids)
             probs_q, ids_q = law if len(law) == 2 else unpack_sparse_law(law[0])
+            if rows_index is None:
+                rows_index = verify_rows(metadata.cu_num_sampled_tokens, width)
             hsd_out = hsd_verify_rows(logits, rows_index, tree.token_ids.clamp(min=0), probs_q,
                                       ids_q, rows, apply_top_k_top_p, seeded)
-            out = torch.where(use_hsd[:, None], hsd_out[:, :out_width], out)
+            out = torch.where(use_hsd[:, None], hsd_out[:, :out.shape[1]], out)
             state.verdict = None
         if dummy:  # no tree left behind for a later dummy forward's attention to read
             state.verify = None
