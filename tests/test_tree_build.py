@@ -239,3 +239,56 @@ def test_first_nodes_is_the_subtree_of_the_first_nodes():
         _check_structure(part)
     with pytest.raises(ValueError, match="width=41"):
         tree.first_nodes(41)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("vocab", [3, 40])
+def test_shallow_trees_and_small_vocabularies(depth, vocab):
+    """L = 1 (no candidate pairs), L = 2 (the only deeper depth is the unsorted last one) and a
+    vocabulary smaller than the budget (depth 1's list padded): all equal to the heap."""
+    gen = torch.Generator().manual_seed(depth * 100 + vocab)
+    logits = torch.round(torch.randn(3, depth, vocab, generator=gen) * 2)  # ties too
+    for budget in (1, 2, 5, 16, 50):
+        tree = build_tree(logits, budget)
+        _assert_equal_to_reference(tree, reference_build_tree(logits, budget))
+        _check_structure(tree)
+
+
+def test_int_tensor_and_function_budgets_agree():
+    """An int budget below max_budget, the same budget as a tensor and as a function of the
+    candidates give the same padded tree (the int path thresholds rows with a cached table)."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 5, 60, generator=gen) * 3
+    full = build_tree(logits, 32)
+    seen = {}
+
+    def budget_fn(scores, depths):
+        seen["scores"], seen["depths"] = scores, depths
+        return torch.full((4,), 9)
+
+    trees = [build_tree(logits, 9, max_budget=32),
+             build_tree(logits, torch.full((4,), 9), max_budget=32),
+             build_tree(logits, budget_fn, max_budget=32)]
+    for tree in trees:
+        _check_structure(tree)
+        assert tree.num_nodes.tolist() == [9] * 4
+        for name in ("token_ids", "parents", "depths", "scores", "ancestor_mask"):
+            assert torch.equal(getattr(tree, name), getattr(trees[0], name)), name
+        assert torch.equal(tree.token_ids[:, :9], full.token_ids[:, :9])
+    # the function sees the full-width tree's candidates
+    assert torch.equal(seen["scores"], full.scores)
+    assert torch.equal(seen["depths"], full.depths)
+
+
+def test_ancestor_mask_from_node_parents():
+    """``_ancestor_mask`` (the plugin rebuilds masks of re-indexed or chain trees with it)
+    equals the row-by-row reference, padding rows (-1) hanging off the root."""
+    from vllm_ddtree.tree import _ancestor_mask
+
+    # a chain of 4, then a branch: node 4 under 1, node 5 under the root, node 6 padding
+    parents = torch.tensor([[-1, 0, 1, 2, 1, -1, -1]])
+    expect = [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 3, 4], [0, 1, 2, 5], [0, 6], [0, 7]]
+    dense = unpack_mask(_ancestor_mask(parents, 4), 8)[0]
+    assert [torch.nonzero(row).flatten().tolist() for row in dense] == expect
+    for max_depth in (4, 5, 8):  # more rounds than needed change nothing
+        assert torch.equal(unpack_mask(_ancestor_mask(parents, max_depth), 8)[0], dense)

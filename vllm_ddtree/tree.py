@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass
 from collections.abc import Callable
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
@@ -151,7 +152,8 @@ def _ranked_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor,
     ``(request, depth)`` rows at a time (:func:`vllm_ddtree.sampling.row_chunks`): the float32
     log-probabilities of a chunk are the only vocabulary-sized temporary, so the extra memory
     is bounded whatever the batch (the whole ``[batch, L, vocab]`` at once was 2x bf16 logits).
-    Row-wise ops, so the values are the same as without chunks, bit for bit.
+    Row-wise ops, so the values are the same as without chunks, bit for bit; top-k writes each
+    chunk straight into the outputs (``out=``, no copy).
 
     Returns ``(values [batch, L, k] float32, token_ids [batch, L, k] int64)``.
     """
@@ -161,7 +163,7 @@ def _ranked_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor,
     token_ids = torch.empty(batch * depth, k, dtype=torch.int64, device=draft_logits.device)
     for start, end in row_chunks(batch * depth, vocab):
         log_probs = torch.log_softmax(flat[start:end], dim=-1, dtype=torch.float32)
-        values[start:end], token_ids[start:end] = torch.topk(log_probs, k, dim=-1)
+        torch.topk(log_probs, k, dim=-1, out=(values[start:end], token_ids[start:end]))
         del log_probs  # before the next chunk's
     values, token_ids = values.view(batch, depth, k), token_ids.view(batch, depth, k)
     # topk may order equal values arbitrarily: re-sort by (value desc, token id asc) with a
@@ -194,6 +196,76 @@ def _candidate_pairs(budget: int, k: int, device: torch.device) -> tuple[torch.T
     return rows, cols
 
 
+class _Entries(NamedTuple):
+    """Constant tables of :func:`build_tree`'s entry space, for one ``(B, k, L, device)``.
+
+    Each request ranks N *entries*: entry 0 is the root (score +inf, so it sorts first), entry
+    ``1 + (d - 1) * B + q`` is position q of depth d's top-B list (d < L), then come the P
+    candidate pairs of depth L (unsorted, see :func:`build_tree`), and entry ``N - 1`` is
+    padding (score -inf), where every unused row points. An entry's *code* is its index in the
+    list of its depth: its position q at depth 1 (the ranked tokens), its candidate pair
+    (:func:`_candidate_pairs`) deeper down, 0 for the root and the padding entry.
+    Example (B 2, k 2, L 2; depth 2's pairs (0, 0), (0, 1), (1, 0)): entries [root, q0, q1,
+    pair 0, pair 1, pair 2, pad] (N = 7); the entry of pair 2 = (1, 0) has the token of flat
+    index ``1 * k + 0 = 2`` in the ``[L * k]`` ranked ids and parent entry ``1 + 0 * B + 1 = 2``.
+    """
+
+    nodes: torch.Tensor  # [N] int64, -1..N-2: the node index of each sorted position
+    depths: torch.Tensor  # [N] int64, depth of each entry; 0 for the root and the padding
+    head_codes: torch.Tensor  # [1, 1 + B] int64, codes of the root and of depth 1: 0, 0..B-1
+    tail_codes: torch.Tensor  # [1, P + 1] int64 (L > 1) or [1, 1]: depth L's, the padding's
+    info: torch.Tensor  # [L + 1, max(P, B), 3] int64 per (depth, code): token index, parent
+    # entry, depth (token index: into the [L * k] ranked ids; the root's and padding's are 0)
+    pair_values: torch.Tensor  # [L, P] int64 into the [L * k] ranked log-probs, see build_tree
+    root_score: torch.Tensor  # [1, 1] float32, +inf
+    pad_scores: torch.Tensor  # [1, B] float32, -inf
+
+
+@lru_cache(maxsize=64)
+def _entries(budget: int, k: int, depth: int, device: torch.device) -> _Entries:
+    """The :class:`_Entries` tables, built with device ops only (like :func:`_candidate_pairs`)."""
+    pair_i, pair_j = _candidate_pairs(budget, k, device)
+    num_pairs = pair_i.numel()
+    num_entries = (depth - 1) * budget + (num_pairs if depth > 1 else budget) + 2
+    nodes = torch.arange(-1, num_entries - 1, dtype=torch.int64, device=device)
+    depths = torch.zeros(num_entries, dtype=torch.int64, device=device)
+    depths[1:-1] = (nodes[1:-1] // budget + 1).clamp(max=depth)
+    position = torch.arange(budget, dtype=torch.int64, device=device)
+    zero = position[:1] * 0
+    head_codes = torch.cat([zero, position])[None]
+    pairs = torch.arange(num_pairs, dtype=torch.int64, device=device)
+    tail_codes = (torch.cat([pairs, zero]) if depth > 1 else zero)[None]
+    info = torch.zeros(depth + 1, max(num_pairs, budget), 3, dtype=torch.int64, device=device)
+    info[:, :, 2] = torch.arange(depth + 1, dtype=torch.int64, device=device)[:, None]
+    info[1, :budget, 0] = torch.where(position < k, position, 0)  # depth 1: parent entry 0
+    level = torch.arange(1, depth, dtype=torch.int64, device=device)[:, None]  # depth - 1
+    info[2:, :num_pairs, 0] = level * k + pair_j
+    info[2:, :num_pairs, 1] = 1 + (level - 1) * budget + pair_i
+    pair_values = torch.cat([pair_i.clamp(max=k - 1)[None], level * k + pair_j])
+    return _Entries(
+        nodes=nodes,
+        depths=depths,
+        head_codes=head_codes,
+        tail_codes=tail_codes,
+        info=info,
+        pair_values=pair_values,
+        root_score=torch.full((1, 1), float("inf"), device=device),
+        pad_scores=torch.full((1, budget), float("-inf"), device=device),
+    )
+
+
+@lru_cache(maxsize=64)
+def _row_thresholds(budget: int, max_budget: int, device: torch.device) -> torch.Tensor:
+    """``[max_budget + 2]`` float32: row i of :func:`build_tree` (0 = the root, k + 1 = node k,
+    max_budget + 1 = the root's copy) is real iff its score exceeds entry i.
+
+    -inf up to row ``budget`` (any possible prefix is real), +inf past it (never real).
+    Example: budget 2, max_budget 3 -> [-inf, -inf, -inf, inf, inf].
+    """
+    rows = torch.arange(max_budget + 2, device=device)
+    return torch.where(rows <= budget, float("-inf"), float("inf"))
+
+
 BudgetFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -220,8 +292,8 @@ def build_tree(
 
     Everything runs on the logits' device with shapes that depend only on ``(batch, L, vocab,
     max_budget)``: no host synchronisation, so the call can be captured in a CUDA graph.
-    NOTE: the first call for a given ``(max_budget, min(max_budget, vocab), device)`` builds and
-    caches two small index tables (a host-to-device upload): call once before graph capture.
+    NOTE: the first call for a given ``(max_budget, min(max_budget, vocab), L, device)`` builds
+    and caches small index tables with device ops: call once before graph capture.
 
     Example (L = 2, one request, budget 3): per-depth probabilities q_1 = {a: .6, b: .4},
     q_2 = {c: .9, d: .1} give prefixes a (.6), b (.4), ac (.54), bc (.36), ad (.06), ...;
@@ -240,7 +312,6 @@ def build_tree(
     if budget_fn is not None:
         if max_budget is None:
             raise ValueError("a budget function needs max_budget (the padded width of the tree)")
-        per_request = None  # from the ranked candidates below
     elif isinstance(budget, torch.Tensor):
         if max_budget is None:
             raise ValueError("a tensor budget needs max_budget (the padded width of the tree)")
@@ -248,113 +319,155 @@ def build_tree(
             raise ValueError(f"budget.shape={tuple(budget.shape)}, expected ({batch},)")
         if budget.is_floating_point():
             raise ValueError(f"budget.dtype={budget.dtype}, expected an integer dtype")
-        per_request = budget.to(device=device, dtype=torch.int64).clamp(0, max_budget)
     else:
         if max_budget is None:
             max_budget = int(budget)
         if not 0 <= int(budget) <= max_budget:
             raise ValueError(f"budget={budget} must be in [0, max_budget={max_budget}]")
-        per_request = torch.full((batch,), int(budget), dtype=torch.int64, device=device)
     if max_budget < 1:
         raise ValueError(f"max_budget={max_budget} must be >= 1")
     if depth < 1:
         raise ValueError(f"draft_logits has depth {depth}; a tree needs at least 1 position")
     num_slots = max_budget
+    num_rows = num_slots + 2  # the root, the nodes, the root's copy (see _ancestor_rows)
     k = min(num_slots, vocab)
 
     top_values, top_ids = _ranked_log_probs(draft_logits, k)  # [batch, L, k] each
     pair_i, pair_j = _candidate_pairs(num_slots, k, device)  # [P] each
-    pair_values = top_values[:, :, pair_j]  # [batch, L, P]: lp_d of each pair's token
+    entries = _entries(num_slots, k, depth, device)
 
     # Per-depth top-B lists, each sorted by (-score, parent position, rank): depth 1 is the
-    # ranked list itself, depth d keeps the best B of the candidate pairs extending depth d-1.
-    scores = top_values.new_full((batch, num_slots), float("-inf"))
-    scores[:, :k] = top_values[:, 0]
-    level_scores = [scores]  # L x [batch, B] float32
-    level_pairs = []  # (L - 1) x [batch, B] int64: index into the pair list
+    # ranked list itself (padded with impossible prefixes when the vocabulary is smaller than
+    # B), depth d keeps the best B of the candidate pairs extending depth d-1. pair_values[:, 0]
+    # holds depth 1's log-probabilities at each pair's parent position (used when k == B: no
+    # padding), pair_values[:, d] depth d+1's at each pair's token.
+    scores = top_values[:, 0]
+    if k < num_slots:
+        scores = torch.cat([scores, entries.pad_scores[:, k:].expand(batch, -1)], dim=1)
+    level_scores = [scores]  # L x [batch, B] float32 (depth L: [batch, P])
+    level_codes = []  # (L - 2) x [batch, B] int64: index into the pair list
+    if depth > 1:
+        pair_values = top_values.view(batch, depth * k)[:, entries.pair_values]  # [batch, L, P]
     for d in range(1, depth):
-        cand = scores[:, pair_i] + pair_values[:, d]  # [batch, P], P >= B
+        parent_scores = pair_values[:, 0] if d == 1 and k == num_slots else scores[:, pair_i]
+        cand = parent_scores + pair_values[:, d]  # [batch, P], P >= B
+        if d == depth - 1:
+            level_scores.append(cand)  # the deepest depth stays unsorted: see below
+            break
         cand, order = cand.sort(dim=-1, descending=True, stable=True)
         scores = cand[:, :num_slots]
         level_scores.append(scores)
-        level_pairs.append(order[:, :num_slots])
-    # Parent positions and tokens of every depth at once.
-    tokens = torch.full((batch, depth, num_slots), PADDING_TOKEN_ID, dtype=torch.int64, device=device)
-    tokens[:, 0, :k] = top_ids[:, 0]
-    parents_pos = torch.full((batch, depth, num_slots), -1, dtype=torch.int64, device=device)
-    if depth > 1:
-        kept = torch.stack(level_pairs, dim=1)  # [batch, L - 1, B]
-        parents_pos[:, 1:] = pair_i[kept]
-        tokens[:, 1:] = top_ids[:, 1:].gather(2, pair_j[kept])
+        level_codes.append(order[:, :num_slots])
 
-    # Global order: stable sort of the depth-major concatenation by score gives the key
-    # (-score, depth, position within the depth's list).
-    all_scores = torch.stack(level_scores, dim=1).view(batch, depth * num_slots)
-    all_scores, global_order = all_scores.sort(dim=-1, descending=True, stable=True)
-    chosen = global_order[:, :num_slots]  # [batch, B] flat (depth, position) index
-    node_scores = all_scores[:, :num_slots]
-    node_depths = chosen // num_slots + 1
-    node_tokens = tokens.view(batch, -1).gather(1, chosen)
-    parent_pos = parents_pos.view(batch, -1).gather(1, chosen)
+    # Global order: a stable sort of the entries (root, depth-major lists, padding) by score
+    # gives the key (-score, depth, position within the depth's list); the root comes first,
+    # so the first B + 1 sorted entries are the root and the nodes. Depth L's candidates enter in
+    # pair order, which is how its own stable sort would break ties, and one outside depth L's
+    # top B has B better entries at its depth before it, so it never becomes a node.
+    root_score = entries.root_score.expand(batch, 1)
+    pad_score = entries.pad_scores[:, :1].expand(batch, 1)
+    entry_scores = torch.cat([root_score, *level_scores, pad_score], dim=1)  # [batch, N]
+    sorted_scores, entry_order = entry_scores.sort(dim=-1, descending=True, stable=True)
+    node_of_entry = torch.empty_like(entry_order).scatter_(
+        1, entry_order, entries.nodes.expand(batch, -1)
+    )  # [batch, N]: the inverse permutation, less 1 (the root -> -1)
+    entry_codes = torch.cat(
+        [entries.head_codes.expand(batch, -1), *level_codes, entries.tail_codes.expand(batch, -1)],
+        dim=1,
+    )  # [batch, N]
 
-    # Node index of each (depth, position) entry, to turn parent positions into node indices.
-    node_of_entry = torch.full((batch, depth * num_slots), -1, dtype=torch.int64, device=device)
-    node_index = torch.arange(num_slots, device=device).expand(batch, num_slots)
-    node_of_entry.scatter_(1, chosen, node_index)
-    parent_entry = ((node_depths - 2) * num_slots + parent_pos).clamp(min=0)
-    node_parents = torch.where(node_depths > 1, node_of_entry.gather(1, parent_entry), -1)
-
-    num_finite = torch.isfinite(node_scores).sum(dim=1)
+    # Rows: the root, node k at row k + 1, and a copy of the root (for _ancestor_rows). A row
+    # is real if it holds a possible prefix (score > -inf) within the request's budget (never
+    # the copy); every other row points to the padding entry, whose tables give parent -1 (so
+    # the copy points to the root, as the root does), depth 0 and score -inf.
+    nodes = slice(1, num_slots + 1)
+    row_scores = sorted_scores[:, :num_rows]  # [batch, B + 2]
     if budget_fn is not None:
-        per_request = budget_fn(node_scores, node_depths).to(torch.int64).clamp(0, num_slots)
-    num_nodes = torch.minimum(per_request, num_finite)
-    valid = node_index < num_nodes[:, None]
-    node_tokens = torch.where(valid, node_tokens, PADDING_TOKEN_ID)
-    node_parents = torch.where(valid, node_parents, -1)
-    node_depths = torch.where(valid, node_depths, 0)
-    node_scores = node_scores.masked_fill(~valid, float("-inf"))
+        node_depths = entries.depths[entry_order[:, nodes]]
+        budget = budget_fn(sorted_scores[:, nodes], node_depths)
+    if isinstance(budget, torch.Tensor):
+        per_request = budget.to(device=device, dtype=torch.int64)
+        in_budget = entries.nodes[:num_rows] < per_request[:, None]  # row i holds node i - 1
+        real = (row_scores > _row_thresholds(num_slots, num_slots, device)) & in_budget
+        node_scores = None  # gathered below: rows past the budget become -inf
+    else:
+        real = row_scores > _row_thresholds(int(budget), num_slots, device)
+        # the whole width: the rows past the possible prefixes are -inf already
+        node_scores = sorted_scores[:, nodes] if int(budget) == num_slots else None
+    row_entry = torch.where(real, entry_order[:, :num_rows], entry_order.shape[1] - 1)
+    if node_scores is None:
+        node_scores = entry_scores.gather(1, row_entry[:, nodes])
+    entry_info = entries.info[entries.depths, entry_codes]  # [batch, N, 3]
+    row_info = entry_info.gather(1, row_entry[:, :, None].expand(-1, -1, 3))  # [batch, B + 2, 3]
+    token_index, parent_entry, row_depths = row_info.unbind(-1)
+    parent_nodes = node_of_entry.gather(1, parent_entry)  # [batch, B + 2], -1 = the root
 
-    mask = _ancestor_mask(node_parents, depth)
+    node_tokens = top_ids.view(batch, depth * k).gather(1, token_index[:, nodes])
     return DraftTree(
-        token_ids=node_tokens,
-        parents=node_parents,
-        depths=node_depths,
+        token_ids=torch.where(real[:, nodes], node_tokens, PADDING_TOKEN_ID),
+        parents=parent_nodes[:, nodes],
+        depths=row_depths[:, nodes],
         scores=node_scores,
-        num_nodes=num_nodes,
-        ancestor_mask=mask,
+        num_nodes=real[:, nodes].sum(dim=1),
+        ancestor_mask=_ancestor_rows(parent_nodes, depth),
         max_depth=depth,
     )
 
 
 @lru_cache(maxsize=64)
-def _self_bits(num_rows: int, device: torch.device) -> torch.Tensor:
-    """``[num_rows, ceil(num_rows / 32)]`` int32 packed identity: row i has only bit i."""
-    dense = torch.eye(num_rows, dtype=torch.bool, device=device)
-    return pack_mask(dense)
+def _root_and_self_bits(num_rows: int, device: torch.device) -> torch.Tensor:
+    """``[num_rows + 1, ceil(num_rows / 32)]`` int32 packed rows: row i < num_rows has bits 0
+    (the root) and i; the extra last row is a copy of the root's (bit 0 only)."""
+    rows = torch.arange(num_rows, device=device)
+    start = pack_mask((rows[None, :] == rows[:, None]) | (rows[None, :] == 0))
+    return torch.cat([start, start[:1]])
+
+
+@lru_cache(maxsize=64)
+def _batch_index(batch: int, device: torch.device) -> torch.Tensor:
+    """``[batch, 1]`` int64 ``0..batch-1``: the first index of a per-request row lookup."""
+    return torch.arange(batch, device=device)[:, None]
+
+
+def _ancestor_rows(pointers: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """Packed ancestor rows ``[batch, B + 1, W]`` by pointer jumping, from ``pointers``
+    ``[batch, B + 2]``: the parent node (-1 = the root) of the rows [root, node 0..B-1, root
+    again]; the root points to the root, padding nodes hang off the root.
+
+    Row r starts as {root, r} with a jump pointer to its parent; each round ORs in the row at
+    the jump pointer and doubles the jump, so after t rounds a row holds the root and its 2^t
+    nearest nodes on the path; a path has at most max_depth nodes, hence ceil(log2(max_depth))
+    rounds (the last one needs no new jump). A pointer is a node index n, whose row n + 1 is
+    read through the view ``rows[:, 1:]``: there -1 wraps around to the last row, the root's
+    copy, so no pointer needs shifting.
+    Example: a chain root <- 0 <- 1 <- 2, pointers [-1, -1, 0, 1, -1]: after round 1 row 3
+    (node 2) = {0, 3, 2}, jump -> node 0; after round 2 row 3 = {0, 3, 2, 1}.
+    """
+    batch, num_pointers = pointers.shape
+    num_rows = num_pointers - 1
+    start = _root_and_self_bits(num_rows, pointers.device)  # [B + 2, W]
+    mask = start.expand(batch, *start.shape)
+    request = _batch_index(batch, pointers.device)
+    jump = pointers
+    rounds = max(max_depth - 1, 0).bit_length()  # 2^rounds >= max_depth
+    for round_ in range(rounds):
+        if round_:
+            jump = jump[:, 1:][request, jump]
+        if round_ == rounds - 1:  # the last round writes only the rows of the result
+            return mask[:, :num_rows] | mask[:, 1:][request, jump[:, :num_rows]]
+        mask = mask | mask[:, 1:][request, jump]
+    return mask[:, :num_rows].clone(memory_format=torch.contiguous_format)  # no rounds (L = 1)
 
 
 def _ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """Packed ancestor rows by pointer jumping: ceil(log2(max_depth + 1)) rounds.
+    """Packed ancestor rows ``[batch, B + 1, W]`` of trees given by ``parents`` ``[batch, B]``
+    (-1 = the root; padding too) with at most ``max_depth`` levels.
 
-    Row r starts as {r} with a jump pointer to its parent row (the root row points to itself);
-    each round ORs in the row at the jump pointer and doubles the jump, so after t rounds a row
-    holds its 2^t nearest path entries. A root-to-node path has at most max_depth + 1 entries.
-    Example: a chain root <- 0 <- 1 <- 2 (rows 0..3): after round 1 row 3 = {3, 2}, jump -> 1;
-    after round 2 row 3 = {3, 2, 1, 0}.
+    Example: parents [-1, 0, 1] (a chain) -> pointers [-1, -1, 0, 1, -1] -> rows {0}, {0, 1},
+    {0, 1, 2}, {0, 1, 2, 3} (:func:`_ancestor_rows`).
     """
-    batch, num_nodes = parents.shape
-    device = parents.device
-    num_rows = num_nodes + 1
-    num_words = (num_rows + 31) // 32
-    mask = _self_bits(num_rows, device).expand(batch, num_rows, num_words)  # [batch, B + 1, W]
-    # Jump pointers in row space: root -> 0, node k -> parent + 1 (padding hangs off the root).
-    jump = torch.cat(
-        [torch.zeros(batch, 1, dtype=torch.int64, device=device), (parents + 1).clamp(min=0)], dim=1
-    )  # [batch, B + 1]
-    for _ in range(max(max_depth, 1).bit_length()):  # 2^rounds >= max_depth + 1
-        mask = mask | mask.gather(1, jump[:, :, None].expand(batch, num_rows, num_words))
-        jump = jump.gather(1, jump)
-    return mask.contiguous()
+    pointers = torch.nn.functional.pad(parents, (1, 1), value=-1)  # the root and its copy
+    return _ancestor_rows(pointers, max_depth)
 
 
 def reference_build_tree(draft_logits: torch.Tensor, budget: int) -> list[dict]:
