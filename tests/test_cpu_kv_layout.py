@@ -159,3 +159,54 @@ def test_batched_tree_rows_equal_the_reference_per_request(isa, dtype):
             torch.testing.assert_close(got[i, :m].float(), want.float(), atol=2e-6 if
                                        dtype == torch.float32 else 1e-2, rtol=1e-3)
         first += n
+
+
+def test_compactor_on_the_cpu_layout_skips_either_side_without_host_sync():
+    """KVCompactor on vLLM's CPU layout: target layers only, a KV-shared layer moved once, a
+    pair with a -1 on either side skipped (as a self-copy of the null block's slot), no host
+    sync; every moved token reads back at its new slot, nothing else changes."""
+    from types import SimpleNamespace
+
+    from sync_checker import NoHostSync, no_host_sync
+
+    from vllm_ddtree.plugin.compaction import KVCompactor
+
+    isa, dtype, bs, nkv, d, num_blocks = "vec", torch.float32, 16, 2, 32, 8
+    gen = torch.Generator().manual_seed(6)
+    owned = bs + torch.randperm((num_blocks - 1) * bs, generator=gen)  # block 0: null block
+    slot_mapping = owned[:64]  # query row -> slot
+    caches = [_write_with_vllm(isa, dtype, num_blocks, bs, nkv, d,
+                               *random_kv(owned.numel(), nkv, d, dtype, seed=10 + i), owned)
+              for i in range(4)]  # L3: the drafter's
+    before = [c.clone() for c in caches]
+    layers = {f"L{i}": SimpleNamespace(kv_cache=c, isa=isa) for i, c in enumerate(caches)}
+    layers["S0"] = SimpleNamespace(kv_cache=caches[0], isa=isa)  # shares L0's cache
+    runner = SimpleNamespace(
+        drafter=SimpleNamespace(_draft_attn_layer_names={"L3"}),
+        kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(
+            layer_names=list(layers), kv_cache_spec=SimpleNamespace(head_size=d))]),
+        compilation_config=SimpleNamespace(static_forward_context=layers),
+        input_batch=SimpleNamespace(block_table=[SimpleNamespace(
+            slot_mapping=SimpleNamespace(gpu=slot_mapping))]),
+    )
+    compactor = KVCompactor(runner)
+    assert [len(g.caches) for g in compactor.groups] == [3]  # L0 (= S0), L1, L2
+    src_rows = torch.tensor([-1, 44, 48, 51, 60, -1, 9], dtype=torch.int64)
+    dst_rows = torch.tensor([-1, 42, 43, 44, 57, 7, -1], dtype=torch.int64)
+    checker = NoHostSync(scope=("vllm_ddtree/plugin/compaction.py",
+                                "vllm_ddtree/plugin/cpu_attention.py"))
+    with no_host_sync(checker):
+        compactor.compact(src_rows, dst_rows, num_tokens=64)
+    assert checker.num_checked > 0
+    moved = slot_mapping[torch.tensor([42, 43, 44, 57])]
+    for got, cache in zip(caches, before):
+        if cache is before[3]:
+            assert torch.equal(got, cache), "a drafter layer was compacted"
+            continue
+        old = cpu_kv_layout(cache, isa)
+        new = cpu_kv_layout(got, isa)
+        want_k, want_v = old.read(slot_mapping[torch.tensor([44, 48, 51, 60])])
+        got_k, got_v = new.read(moved)
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+        rest = torch.tensor([s for s in range(num_blocks * bs) if s not in moved.tolist()])
+        assert torch.equal(torch.stack(new.read(rest)), torch.stack(old.read(rest)))

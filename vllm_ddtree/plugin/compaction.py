@@ -9,9 +9,11 @@ context K/V from the gathered hidden states every step (see ``proposer.py``).
 :class:`KVCompactor` is built once per runner when the KV caches exist
 (``initialize_kv_cache``): it groups the target's layer caches by KV-cache group, head size and
 CPU kernel ISA, drops duplicates (KV-sharing layers alias another layer's cache: moving it twice
-would be harmless but wasted work), and on CUDA uploads one pointer table per group. A step
-then costs one gather of the group's slot mapping and one ``compact_kv`` launch per group, with
-no host synchronisation and no host-to-device copy.
+would be harmless but wasted work), and uploads one pointer table per group on CUDA, or
+builds each cache's slot layout on the CPU. A step then costs a few ops on the pairs, one
+gather of each group's slot mapping and one ``compact_kv`` launch per group on CUDA (one gather
+and one scatter per layer cache on the CPU, vLLM allocating one tensor per layer), with no host
+synchronisation and no host-to-device copy.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class CacheGroup:
     isa: str | None  # vLLM's CPU attention kernel ISA (CPU only): the slot layout
     caches: list[torch.Tensor]  # one per distinct layer cache, [nb, nkv, bs, 2 * head_dim]
     table: object | None = None  # CUDA: the group's KVCacheTable (pointer table), built once
+    layouts: list | None = None  # CPU: one CPUKVLayout per cache, built once
 
 
 def kv_views(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,26 +98,37 @@ class KVCompactor:
                 group.table = KVCacheTable.from_caches(
                     [kv_views(cache, group.head_dim) for cache in group.caches]
                 )
+            else:
+                from vllm_ddtree.plugin.cpu_attention import cpu_kv_layout  # vLLM's CPU ops
+
+                group.layouts = [cpu_kv_layout(cache, group.isa) for cache in group.caches]
 
     def compact(self, src_rows: torch.Tensor, dst_rows: torch.Tensor, num_tokens: int) -> None:
-        """Copy query row ``src_rows[n]``'s K/V to query row ``dst_rows[n]``'s slot (``-1``:
-        skip) in every target layer. Rows index this step's flat batch of ``num_tokens``.
+        """Copy query row ``src_rows[n]``'s K/V to query row ``dst_rows[n]``'s slot (a ``-1``
+        on either side: skip) in every target layer. Rows index this step's flat batch of
+        ``num_tokens``.
 
         Example: rows 44 -> 42 with group 0's slot mapping [.., 42: 1030, .., 44: 1032, ..]
-        copies slot 1032 to slot 1030 in each layer of group 0.
+        copies slot 1032 to slot 1030 in each layer of group 0. A skipped pair becomes slots
+        (-1, -1) for ``compact_kv`` on CUDA, and a self-copy of the null block's slot on the
+        CPU (:func:`~vllm_ddtree.plugin.cpu_attention.copy_cpu_slots`).
         """
+        skip = torch.minimum(src_rows, dst_rows) < 0  # [n]
         block_tables = self._runner.input_batch.block_table
         for group in self.groups:
-            # query row -> K/V slot of this group (each group has its own block table)
+            # query row -> K/V slot of this group (each group has its own block table); a -1
+            # row reads the last row's slot, replaced just below
             slot_mapping = block_tables[group.group_id].slot_mapping.gpu[:num_tokens]
-            src = slot_mapping[src_rows.clamp(min=0)].to(torch.int64).masked_fill(src_rows < 0, -1)
-            dst = slot_mapping[dst_rows.clamp(min=0)].to(torch.int64).masked_fill(dst_rows < 0, -1)
             if group.table is not None:
-                compact_kv(group.table, src, dst)
+                # a tensor per side, not two views of one: the kernel's compile key holds
+                # each pointer's 16-byte alignment
+                compact_kv(group.table, slot_mapping[src_rows].masked_fill_(skip, -1),
+                           slot_mapping[dst_rows].masked_fill_(skip, -1))
             else:
-                from vllm_ddtree.plugin.cpu_attention import compact_cpu_kv  # vLLM's CPU ops
+                from vllm_ddtree.plugin.cpu_attention import NULL_SLOT, copy_cpu_slots
 
-                compact_cpu_kv(group.caches, group.isa, src, dst)
+                slots = slot_mapping[torch.stack((src_rows, dst_rows))]  # [2, n]
+                copy_cpu_slots(group.layouts, slots.masked_fill_(skip, NULL_SLOT))
 
     def warm_up(self) -> None:
         """Compile the compaction kernel of every group now (engine start), not mid-serving.

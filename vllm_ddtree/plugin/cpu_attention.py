@@ -14,9 +14,10 @@ CPU K/V layout (one tensor per layer, ``[num_blocks, num_kv_heads, block_size, 2
 each (block, head) holds a K half and a V half of ``block_size * head_dim`` elements, whose
 inner order depends on the kernel ISA vLLM picked (``vec``/``vec16``: K transposed, V plain;
 ``amx`` for bf16: VNNI-packed pairs). :func:`slot_maps` learns that order from vLLM's own
-``cpu_attn_reshape_and_cache`` once per configuration, and :class:`CPUKVLayout` turns slots
-into flat cache indices through it (tree attention reads them, compaction copies them); a layout that is not a permutation of the slot elements (a
-quantized cache) is refused with a clear error.
+``cpu_attn_reshape_and_cache`` once per configuration, :func:`slot_offsets` turns it into one
+offset table, and :class:`CPUKVLayout` turns slots into flat cache indices with it in three ops
+(tree attention reads them, compaction copies them); a layout that is not a permutation of the
+slot elements (a quantized cache) is refused with a clear error.
 """
 
 from __future__ import annotations
@@ -92,37 +93,55 @@ class DDTreeCPUMetadata(CPUAttentionMetadata):
 class CPUKVLayout:
     """Slot addressing of one CPU layer cache ``[nb, nkv, bs, 2 * D]`` (see module doc).
 
-    ``k_index`` / ``v_index`` (``[bs, D]``, from :func:`slot_maps`) give the flat position of
-    element (offset, dim) inside a (block, head) half; a (block, head) holds ``bs * 2 * D``
-    elements, its K half first. Example (``vec``, block_size 32): K of slot 70 = block 2,
-    offset 6, head h, dim d is cache element ``(2 * nkv + h) * 64 * D + 6 + 32 * d``.
+    A slot holds ``C = nkv * 2 * D`` elements and a block ``bs * C``, so element (K or V, head
+    h, dim d) of slot s is cache element ``s * C + offsets[s % bs, kv, h, d]`` with the table
+    of :func:`slot_offsets` (the block's base ``(s // bs) * bs * C`` is ``s * C`` less
+    ``(s % bs) * C``, which the table subtracts). Example (``vec``, block_size 32, nkv 1,
+    D 64, so C = 128): K of slot 70 (block 2, offset 6), dim d is ``70 * 128 + offsets[6, 0,
+    0, d] = 8960 + (6 + 32 * d - 6 * 128) = 8192 + 6 + 32 * d``: block 2 starts at 8192 and
+    ``vec`` stores K transposed.
     """
 
-    def __init__(self, kv_cache: torch.Tensor, k_index: torch.Tensor, v_index: torch.Tensor):
+    def __init__(self, kv_cache: torch.Tensor, offsets: torch.Tensor):
         if not kv_cache.is_contiguous():
             raise RuntimeError(
                 f"ddtree: expected a contiguous CPU KV cache per layer, got strides "
                 f"{kv_cache.stride()} for shape {tuple(kv_cache.shape)}"
             )
-        _, self.num_kv_heads, self.block_size, two_d = kv_cache.shape
+        _, num_kv_heads, self.block_size, two_d = kv_cache.shape
         self.flat = kv_cache.view(-1)
-        self.k_index, self.v_index = k_index, v_index
-        self.half = self.block_size * (two_d // 2)  # elements of one K or V half
+        self.offsets = offsets  # [bs, 2, nkv, D] int64, shared by every cache of this layout
+        self.slot_stride = num_kv_heads * two_d  # C
+
+    def flat_index(self, slots: torch.Tensor) -> torch.Tensor:
+        """``slots [...]`` int64 -> flat cache indices ``[..., 2 (K, V), nkv, D]``; the same for
+        every layer cache of this layout."""
+        return torch.add(self.offsets[slots % self.block_size], slots[..., None, None, None],
+                         alpha=self.slot_stride)
 
     def index(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``slots [...]`` -> flat cache indices ``(K [..., nkv, D], V [..., nkv, D])``; the
-        same for every layer cache of this shape."""
-        offsets = slots % self.block_size
-        heads = torch.arange(self.num_kv_heads)[:, None] * (2 * self.half)  # [nkv, 1]
-        base = (slots // self.block_size)[..., None, None] * (self.num_kv_heads * 2 * self.half)
-        base = base + heads
-        return (base + self.k_index[offsets][..., None, :],
-                base + self.half + self.v_index[offsets][..., None, :])
+        """``slots [...]`` -> flat cache indices ``(K [..., nkv, D], V [..., nkv, D])``."""
+        return self.flat_index(slots).unbind(-3)
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``slots [n]`` -> ``(K [n, nkv, D], V [n, nkv, D])``."""
         k_index, v_index = self.index(slots)
         return self.flat[k_index], self.flat[v_index]
+
+
+def offset_table(k_index: torch.Tensor, v_index: torch.Tensor,
+                 num_kv_heads: int) -> torch.Tensor:
+    """The :class:`CPUKVLayout` table ``[bs, 2, nkv, D]`` int64 of the slot maps ``[bs, D]``.
+
+    A (block, head) holds a K half then a V half of ``bs * D`` elements each, heads one after
+    the other: ``offsets[o, kv, h, d] = (2 * h + kv) * bs * D + map_kv[o, d] - o * C``.
+    """
+    block_size, head_dim = k_index.shape
+    half = block_size * head_dim
+    within = torch.stack((k_index, v_index + half), dim=1)[:, :, None, :]  # [bs, 2, 1, D]
+    heads = torch.arange(num_kv_heads)[:, None] * (2 * half)  # [nkv, 1]
+    base = torch.arange(block_size)[:, None, None, None] * (num_kv_heads * 2 * head_dim)
+    return (within + heads - base).contiguous()
 
 
 def _write_with_vllm(isa: str, dtype: torch.dtype, num_blocks: int, block_size: int,
@@ -186,17 +205,25 @@ def slot_maps(isa: str, dtype: torch.dtype, block_size: int, num_kv_heads: int,
     v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
     slots = torch.randperm(3 * block_size, generator=gen)[:n]
     cache = _write_with_vllm(isa, dtype, 3, block_size, num_kv_heads, head_dim, k, v, slots)
-    got_k, got_v = CPUKVLayout(cache, k_index, v_index).read(slots)
+    got_k, got_v = CPUKVLayout(cache, offset_table(k_index, v_index, num_kv_heads)).read(slots)
     if not (torch.equal(got_k, k) and torch.equal(got_v, v)):
         raise refuse("does not round-trip through the learned slot maps")
     return k_index, v_index
 
 
+@functools.lru_cache(maxsize=None)
+def slot_offsets(isa: str, dtype: torch.dtype, block_size: int, num_kv_heads: int,
+                 head_dim: int) -> torch.Tensor:
+    """The :class:`CPUKVLayout` table of a configuration (:func:`offset_table`), built once."""
+    k_index, v_index = slot_maps(isa, dtype, block_size, num_kv_heads, head_dim)
+    return offset_table(k_index, v_index, num_kv_heads)
+
+
 def cpu_kv_layout(kv_cache: torch.Tensor, isa: str) -> CPUKVLayout:
     """The :class:`CPUKVLayout` of one layer cache written by vLLM's kernel for ``isa``."""
     _, num_kv_heads, block_size, two_d = kv_cache.shape
-    maps = slot_maps(isa, kv_cache.dtype, block_size, num_kv_heads, two_d // 2)
-    return CPUKVLayout(kv_cache, *maps)
+    return CPUKVLayout(kv_cache, slot_offsets(isa, kv_cache.dtype, block_size, num_kv_heads,
+                                              two_d // 2))
 
 
 def tree_rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -286,24 +313,38 @@ class DDTreeCPUBackend(CPUAttentionBackend):
         return DDTreeCPUMetadataBuilder
 
 
+# Slot 0 lies in block 0, vLLM's null block (``BlockPool.null_block``), which no request owns:
+# no move ever writes it, so copying it onto itself is how a skipped pair moves nothing.
+NULL_SLOT = 0
+
+
+def copy_cpu_slots(layouts: list[CPUKVLayout], slots: torch.Tensor) -> None:
+    """Copy slot ``slots[0, n]`` -> ``slots[1, n]`` in the cache of every layout.
+
+    ``slots [2, n]`` int64 holds no -1: a pair to skip is a self-copy of a slot no other pair
+    writes (:data:`NULL_SLOT`), so no boolean mask (a data-dependent shape) is needed. All
+    sources are read (gathered into a new tensor) before any write, so overlapping moves are
+    safe. The flat indices of one layout serve every cache that shares it: a step costs one
+    gather and one scatter per layer. Example (``vec``, bs 16, nkv 1, D 32: a block of 1024
+    elements, K half then V half): slots ``[[21], [18]]`` (block 1, offsets 5 -> 2) copy K
+    elements ``1029 + 16 * d`` to ``1026 + 16 * d`` and V elements ``1696 + d`` to ``1600 + d``.
+    """
+    flat_index: dict[int, torch.Tensor] = {}  # id(layout.offsets) -> [2, n, 2, nkv, D]
+    for layout in layouts:
+        index = flat_index.get(id(layout.offsets))
+        if index is None:
+            index = flat_index[id(layout.offsets)] = layout.flat_index(slots)
+        layout.flat[index[1]] = layout.flat[index[0]]
+
+
 def compact_cpu_kv(kv_caches: list[torch.Tensor], isa: str, src_slots: torch.Tensor,
                    dst_slots: torch.Tensor) -> None:
-    """Copy slot src[n] -> dst[n] in every CPU-layout layer cache written for ``isa``; -1
-    entries are skipped.
+    """Copy slot src[n] -> dst[n] in every CPU-layout layer cache written for ``isa``; pairs
+    with a -1 on either side are skipped (turned into :data:`NULL_SLOT` self-copies, see
+    :func:`copy_cpu_slots`, which :class:`KVCompactor` calls with its step's slots directly).
 
-    All sources are read (gathered into new tensors) before any write, so overlapping moves
-    are safe.
+    All sources are read before any write, so overlapping moves are safe.
     """
-    keep = (src_slots >= 0) & (dst_slots >= 0)
-    src, dst = src_slots[keep], dst_slots[keep]
-    if src.numel() == 0:
-        return
-    indices = {}  # the flat indices of one cache shape serve every layer of that shape
-    for cache in kv_caches:
-        where = (cache.dtype, tuple(cache.shape[1:]))
-        if where not in indices:
-            layout = cpu_kv_layout(cache, isa)
-            indices[where] = (torch.cat(layout.index(src)), torch.cat(layout.index(dst)))
-        src_index, dst_index = indices[where]
-        flat = cache.view(-1)
-        flat[dst_index] = flat[src_index]
+    slots = torch.stack((src_slots, dst_slots))  # [2, n]
+    slots.masked_fill_(slots.amin(0) < 0, NULL_SLOT)
+    copy_cpu_slots([cpu_kv_layout(cache, isa) for cache in kv_caches], slots)

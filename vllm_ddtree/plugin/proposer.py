@@ -41,12 +41,16 @@ class DDTreeProposer(DFlashProposer):
         self._pending_tree: DraftTree | None = None
         self._pending_probs: torch.Tensor | None = None
         self._pending_budget = state.budget  # this step's build_tree budget (policy)
+        # what _sample_draft_tokens hands DFlash (which only reshapes it): one buffer, no op
+        self._placeholder_ids = torch.zeros(self.max_batch_size * state.depth, dtype=torch.int64,
+                                            device=device)
         # paused steps' context rows (hidden, chain positions, slots), see store_context
         self._kept_context: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._kept_rows = 0
 
     def propose(self, num_speculative_tokens, **kwargs) -> torch.Tensor:
-        """Draft one tree per request; returns ``[R, B]`` node tokens in best-first order.
+        """Draft one tree per request; returns ``[R, B]`` node tokens in best-first order,
+        padding -1.
 
         The budget policy sizes each request's tree (``TreeState.budgets``); steps in which it
         gives no request any node do not come here (see :meth:`store_context`).
@@ -54,7 +58,10 @@ class DDTreeProposer(DFlashProposer):
         state = self.ddtree_state
         self.flush_context()  # paused steps' context first, then this step's: in order
         num_reqs = kwargs["next_token_ids"].shape[0]
-        sampling = sampling_batch(kwargs["sampling_metadata"])
+        sampled = None  # [R] bool, requests with T > 0: only auto's budgets weigh them
+        if state.budgets.name == "auto":
+            sampling = sampling_batch(kwargs["sampling_metadata"])
+            sampled = None if sampling is None else ~sampling.is_greedy
         complete = None
         if state.ever_cold:  # requests with a hole in their drafter context draft nothing
             table = self._runner.input_batch.block_table[self.kv_cache_gid]
@@ -63,8 +70,7 @@ class DDTreeProposer(DFlashProposer):
                 self._runner.input_batch.num_computed_tokens_cpu[:num_reqs].tolist(),
                 table.block_size)
             state.context_written(self._step_slots(kwargs["target_hidden_states"].shape[0]))
-        self._pending_budget = state.budgets.budget(
-            num_reqs, None if sampling is None else ~sampling.is_greedy, complete)
+        self._pending_budget = state.budgets.budget(num_reqs, sampled, complete)
         self._pending_tree = None
         super().propose(state.depth, **kwargs)
         tree = self._pending_tree
@@ -73,8 +79,10 @@ class DDTreeProposer(DFlashProposer):
         law = None if self._pending_probs is None else (self._pending_probs,)
         state.record_proposal(list(self._runner.input_batch.req_ids[:num_reqs]), tree, law)
         # Padding nodes (-1: beyond the request's budget, or of probability zero) go to the
-        # host as token 0; take_draft_token_ids sends only the real nodes to the scheduler.
-        return tree.token_ids.clamp(min=0)
+        # host as they are: take_draft_token_ids (TreeState.clip_drafts) sends only the real
+        # nodes (depth > 0) to the scheduler, and nothing else reads them (async scheduling,
+        # which would scatter them into the next step's input ids, is refused).
+        return tree.token_ids
 
     def store_context(self, target_hidden_states: torch.Tensor, num_tokens: int) -> None:
         """The drafter's context pass alone, for a step in which the policy drafts nothing.
@@ -165,7 +173,9 @@ class DDTreeProposer(DFlashProposer):
         """Write the kept context rows of paused steps into the drafter's cache, in order."""
         if not self._kept_context:
             return
-        hidden, positions, slots = (torch.cat(parts) for parts in zip(*self._kept_context))
+        # one kept step (the common pause) needs no concatenation: its tensors are its own
+        hidden, positions, slots = (parts[0] if len(parts) == 1 else torch.cat(parts)
+                                    for parts in zip(*self._kept_context))
         self._kept_context.clear()
         self._kept_rows = 0
         self.model.precompute_and_store_context_kv(
@@ -200,7 +210,8 @@ class DDTreeProposer(DFlashProposer):
         )
 
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata):
-        """``hidden_states [R * L, H]`` -> tree; returns placeholder ids of the expected shape."""
+        """``hidden_states [R * L, H]`` -> tree; returns placeholder ids of the expected shape
+        (a view of one zero buffer: :meth:`propose` discards what DFlash returns)."""
         depth = self.ddtree_state.depth
         logits = self.model.compute_logits(hidden_states)  # [R * L, V]
         num_reqs = logits.shape[0] // depth
@@ -211,7 +222,7 @@ class DDTreeProposer(DFlashProposer):
             self._pending_tree = build_tree(logits, self._pending_budget,
                                             max_budget=self.ddtree_state.budget)
             self._pending_probs = None
-        return torch.zeros(num_reqs * depth, dtype=torch.int64, device=logits.device), None
+        return self._placeholder_ids[: num_reqs * depth], None
 
     def _sample_chain(self, logits: torch.Tensor, sampling_metadata):
         """hsd_chain: ``[R, L, V]`` -> a chain of B tokens sampled from the drafter's top-K law.
