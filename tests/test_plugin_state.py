@@ -186,3 +186,54 @@ def test_context_is_complete_only_where_no_cold_step_wrote():
     assert state.plan_step(["a", "b"]) == "cold"  # nobody can use the drafter's context
     state.forget_finished({"b": None, "c": None})
     assert state.cold_reqs == {"b"}
+
+
+def _same_verify(a, b):
+    for field in ("token_ids", "parents", "depths", "scores", "num_nodes", "ancestor_mask"):
+        assert torch.equal(getattr(a.tree, field), getattr(b.tree, field)), field
+    assert torch.equal(a.matched, b.matched)
+
+
+def test_exact_steps_read_the_proposals_as_the_device_match_builds_them():
+    """A step whose requests got exactly the drafts they were sent (the scheduler's host lists)
+    takes each tree straight from its proposal; oracle: the device match of the same drafts
+    (no host lists). A request the scheduler cut, or drafts that are not the sent ones, make
+    the step inexact (the device match decides). Position shifts: each token row's depth
+    minus its query position for node rows, 0 for the root and for rows of a prefill chunk."""
+    state, tree = proposed_state()
+    requests = {"a": request(2, 5, max_tokens=100), "b": request(2, 5, max_tokens=8),
+                "c": request(2, 5, max_tokens=100)}
+    drafts = [tree.token_ids[r].tolist() for r in range(3)]
+    state.clip_drafts(["a", "b", "c"], drafts, requests, max_model_len=1000)
+    # "p" is a prefill chunk of 3 tokens without drafts, between the requests
+    req_ids, num_draft = ["a", "p", "b", "c"], [len(drafts[0]), 0, len(drafts[1]), len(drafts[2])]
+    scheduled = [drafts[0], [], drafts[1], drafts[2]]
+    q_lens = [num_draft[0] + 1, 3, num_draft[2] + 1, num_draft[3] + 1]
+    starts = [0, q_lens[0], q_lens[0] + 3, q_lens[0] + 3 + q_lens[2]]
+    row_req = torch.repeat_interleave(torch.arange(4), torch.tensor(q_lens)).numpy()
+    row_pos = torch.cat([torch.arange(n) for n in q_lens]).numpy()
+    flat = torch.tensor(sum(scheduled, []))
+    args = (req_ids, num_draft, flat, starts, sum(q_lens))
+    exact = state.begin_verify(*args, scheduled=scheduled, token_rows=(row_req, row_pos))
+    assert exact.exact
+    expect = state.begin_verify(*args)
+    assert not expect.exact
+    _same_verify(exact, expect)
+    shift = [0 if q == 0 or q > num_draft[r] else expect.tree.depths[r, q - 1].item() - q
+             for r, q in zip(row_req.tolist(), row_pos.tolist())]
+    assert exact.position_shift.tolist() == shift
+    assert any(shift), "the trees must move some rows"
+    # the scheduler kept 7 of c's nodes: inexact, the same trees as the device match
+    cut = [drafts[0], [], drafts[1], drafts[2][:7]]
+    num_cut = [len(d) for d in cut]
+    args = (req_ids, num_cut, torch.tensor(sum(cut, [])), starts, sum(q_lens))
+    got = state.begin_verify(*args, scheduled=cut, token_rows=(row_req, row_pos))
+    assert not got.exact
+    _same_verify(got, state.begin_verify(*args))
+    assert got.tree.num_nodes.tolist() == num_cut
+    # drafts that were never sent (placeholders) are a chain, matched False
+    other = [drafts[0], [], [7] * 3, drafts[2]]
+    args = (req_ids, [len(d) for d in other], torch.tensor(sum(other, [])), starts, sum(q_lens))
+    got = state.begin_verify(*args, scheduled=other)
+    assert not got.exact and got.matched.tolist() == [True, False, False, True]  # "p": none
+    _same_verify(got, state.begin_verify(*args))

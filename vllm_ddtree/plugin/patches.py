@@ -546,24 +546,21 @@ def _wrap_prepare_inputs(original):
         starts = [0]
         for n in num_scheduled_tokens[: num_reqs - 1].tolist():
             starts.append(starts[-1] + int(n))
+        req_ids = self.input_batch.req_ids[:num_reqs]
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         verify = state.begin_verify(
-            req_ids=list(self.input_batch.req_ids[:num_reqs]),
+            req_ids=list(req_ids),
             num_draft=num_draft,
             draft_token_ids=spec_decode_metadata.draft_token_ids,
             query_start=starts,
             num_tokens=num_tokens,
+            scheduled=[spec_tokens.get(req_id, ()) for req_id in req_ids],
+            token_rows=(self.req_indices.np[:num_tokens], self.query_pos.np[:num_tokens]),
         )
         state.count_unmatched(verify)
         # Depth positions, written in place into the persistent buffer (CUDA graphs capture
         # it): query row i of a request with drafts moves from ctx + i to ctx + depth(i).
-        req_index = self.req_indices.gpu[:num_tokens].to(torch.int64)
-        query_pos = self.query_pos.gpu[:num_tokens].to(torch.int64)
-        depths = verify.tree.depths  # [R, B]
-        counts = verify.tree.num_nodes[req_index]
-        is_node = (query_pos >= 1) & (query_pos <= counts)
-        node = (query_pos - 1).clamp(min=0, max=depths.shape[1] - 1)
-        delta = torch.where(is_node, depths[req_index, node] - query_pos, 0)
-        self.positions[:num_tokens] += delta.to(self.positions.dtype)
+        self.positions[:num_tokens] += verify.position_shift
         _keep_sample_positions(self, state, spec_decode_metadata.logits_indices)
         return result
 

@@ -16,11 +16,11 @@ One :class:`TreeState` belongs to one model runner (no module-global context). A
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from vllm_ddtree.plugin.options import DDTreeOptions
@@ -61,6 +61,11 @@ class VerifyBatch:
     # (a tuple of tensors with one row per request), rows gathered into this batch's order;
     # rows where ``matched`` is False are meaningless
     draft_law: tuple[torch.Tensor, ...] | None = None
+    # every request with drafts got exactly its whole proposal: no row is unmatched (host)
+    exact: bool = False
+    starts: torch.Tensor | None = None  # [R] query_start on the device
+    # [num_tokens] each row's position shift (depth - query position for node rows, else 0)
+    position_shift: torch.Tensor | None = None
 
 
 def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -89,6 +94,17 @@ def _verify_constants(width: int, depth: int, device: torch.device):
     return node, node - 1, node + 1, chain_mask, pad_mask, node < depth
 
 
+_ARANGES: dict[torch.device, torch.Tensor] = {}
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` on ``device``, a view of one cached table (grown by doubling)."""
+    table = _ARANGES.get(device)
+    if table is None or table.numel() < n:
+        table = _ARANGES[device] = torch.arange(max(2 * n, 1024), device=device)
+    return table[:n]
+
+
 def chain_parents(num_rows: int, width: int, device: torch.device) -> torch.Tensor:
     """``[num_rows, width]`` parents of a chain: node k hangs off node k - 1 (node 0 off the root)."""
     return (torch.arange(width, device=device) - 1).expand(num_rows, width)
@@ -106,12 +122,23 @@ class ProposalStore:
     (and proposed again), "a" at t + 2: slot("a") still holds the step-t tree.
     """
 
-    def __init__(self, capacity: int, device: torch.device):
+    def __init__(self, capacity: int, device: torch.device, empty: dict | None = None):
+        """``empty``: the value of the empty row (:attr:`empty_slot`) per buffer name (a
+        scalar or a tensor of one row's shape); other buffers' empty rows hold zeros."""
         self.device = device
         self.capacity = max(int(capacity), 1)
         self._slot_of: dict[str, int] = {}
         self._free: list[int] = list(range(self.capacity - 1, -1, -1))
-        self._buffers: dict[str, torch.Tensor] = {}  # name -> [capacity, ...]
+        self._buffers: dict[str, torch.Tensor] = {}  # name -> [capacity + 1, ...]
+        self._empty = dict(empty or {})
+        # the drafts the scheduler was sent for each request's proposal (host lists)
+        self.sent: dict[str, list[int]] = {}
+
+    @property
+    def empty_slot(self) -> int:
+        """A row that belongs to no request and holds the ``empty`` values (a tree of no
+        nodes): the source row of requests that verify nothing."""
+        return self.capacity
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._slot_of
@@ -120,13 +147,19 @@ class ProposalStore:
         """Slot of each request, -1 for a request without a proposal (host)."""
         return [self._slot_of.get(req_id, -1) for req_id in req_ids]
 
+    def _new_buffer(self, name: str, like: torch.Tensor, capacity: int) -> torch.Tensor:
+        buf = like.new_zeros((capacity + 1, *like.shape[1:]))
+        if name in self._empty:
+            buf[capacity] = self._empty[name]
+        return buf
+
     def _grow(self, needed: int) -> None:
         capacity = self.capacity
         while capacity < needed:
             capacity *= 2
         for name, buf in self._buffers.items():
-            grown = buf.new_zeros((capacity, *buf.shape[1:]))
-            grown[: self.capacity] = buf
+            grown = self._new_buffer(name, buf, capacity)
+            grown[: self.capacity] = buf[: self.capacity]
             self._buffers[name] = grown
         self._free = list(range(capacity - 1, self.capacity - 1, -1)) + self._free
         self.capacity = capacity
@@ -139,13 +172,19 @@ class ProposalStore:
             self._grow(len(self._slot_of) + len(new))
         for req_id in new:
             self._slot_of[req_id] = self._free.pop()
+        for req_id in req_ids:  # a new proposal: its drafts are not sent yet
+            self.sent.pop(req_id, None)
         index = to_device(self.slots(req_ids), torch.int64, self.device)
         for name, values in rows.items():
             buf = self._buffers.get(name)
             if buf is None or buf.shape[1:] != values.shape[1:] or buf.dtype != values.dtype:
-                buf = values.new_zeros((self.capacity, *values.shape[1:]))
+                buf = self._new_buffer(name, values, self.capacity)
                 self._buffers[name] = buf
             buf.index_copy_(0, index, values)
+
+    def rows(self, name: str, slots: torch.Tensor) -> torch.Tensor:
+        """Rows ``slots`` (device, each a request's slot or :attr:`empty_slot`) of ``name``."""
+        return self._buffers[name][slots]
 
     def get(self, name: str, slots: torch.Tensor) -> torch.Tensor | None:
         """Rows ``slots`` (device, -1 allowed: row 0, meaningless) of buffer ``name``."""
@@ -157,6 +196,7 @@ class ProposalStore:
 
     def drop(self, req_ids) -> None:
         for req_id in req_ids:
+            self.sent.pop(req_id, None)
             slot = self._slot_of.pop(req_id, None)
             if slot is not None:
                 self._free.append(slot)
@@ -175,7 +215,9 @@ class TreeState:
             raise ValueError("ddtree: the drafting depth must be resolved before the runner starts")
         self.options = options
         self.device = device
-        self.proposals = ProposalStore(max_num_reqs, device)
+        pad_mask = _verify_constants(options.budget, options.depth, device)[4]
+        self.proposals = ProposalStore(max_num_reqs, device, empty={
+            "tokens": -1, "parents": -1, "depths": 0, "scores": float("-inf"), "mask": pad_mask})
         self.budgets = BudgetController(options, device)
         # The latest proposal's node depths on the host, {req_id: row} -> [R, B] int16, for
         # clip_drafts (copied with vLLM's own draft copy, read after vLLM waits for it).
@@ -241,7 +283,8 @@ class TreeState:
                            "report this with your vLLM version", new, total)
 
     def count_unmatched(self, verify: VerifyBatch) -> None:
-        self._unmatched += ((verify.tree.num_nodes > 0) & ~verify.matched).sum()
+        if not verify.exact:  # an exact step has none
+            self._unmatched += ((verify.tree.num_nodes > 0) & ~verify.matched).sum()
 
     @property
     def budget(self) -> int:
@@ -374,18 +417,12 @@ class TreeState:
             real = sum(1 for d in node_depths if d > 0)  # real nodes come first
             del ids[real:]
             budgeted.append(real)
-            request = requests.get(req_id)
-            if request is None:
-                continue
-            useful = max_model_len - request.num_tokens - 1
-            max_tokens = getattr(request.sampling_params, "max_tokens", None)
-            if max_tokens is not None:
-                useful = min(useful, max_tokens - len(request.output_token_ids) - 1)
-            if useful >= self.depth:
-                continue
-            keep = [i for i, d in enumerate(node_depths) if 0 < d <= useful]
-            ids[:] = [ids[i] for i in keep]
-            kept[req_id] = keep
+            useful = self._usable_depth(requests.get(req_id), max_model_len)
+            if useful < self.depth:
+                keep = [i for i, d in enumerate(node_depths) if 0 < d <= useful]
+                ids[:] = [ids[i] for i in keep]
+                kept[req_id] = keep
+            self.proposals.sent[req_id] = list(ids)  # a copy: the scheduler owns the list
         if self.budgets.drafts_sent(budgeted, [len(ids) for ids in drafts]):
             self.report_unmatched()
         if kept:
@@ -394,27 +431,38 @@ class TreeState:
             with torch.inference_mode():
                 self._reindex_proposals(kept)
 
+    def _usable_depth(self, request, max_model_len: int) -> int:
+        """The deepest node a request can still accept in its next verify step (see
+        :meth:`clip_drafts`); L for a request the runner does not know."""
+        if request is None:
+            return self.depth
+        useful = max_model_len - request.num_tokens - 1
+        max_tokens = getattr(request.sampling_params, "max_tokens", None)
+        if max_tokens is not None:
+            useful = min(useful, max_tokens - len(request.output_token_ids) - 1)
+        return useful
+
     def _reindex_proposals(self, kept: dict[str, list[int]]) -> None:
         """Request r's proposal keeps nodes ``kept[r]`` (in order) as its first nodes, the rest
         padding. Example: nodes [a, b, ab, c] keeping [0, 2] -> [a, ab, pad, pad], parents
         [-1, 0, -1, -1]."""
         req_ids = list(kept)
-        width = self.budget
-        index = torch.zeros(len(req_ids), width, dtype=torch.int64)  # host: new -> old node
-        inverse = torch.full((len(req_ids), width), -1, dtype=torch.int64)  # old -> new
-        valid = torch.zeros(len(req_ids), width, dtype=torch.bool)
+        num, width, store = len(req_ids), self.budget, self.proposals
+        # host, one upload: the slots, then per request new -> old node, old -> new node (-1:
+        # dropped) and whether the new node is real
+        host = np.zeros((3, num, width), dtype=np.int64)
+        host[1] = -1
         for i, req_id in enumerate(req_ids):
             keep = kept[req_id]
-            index[i, : len(keep)] = torch.tensor(keep, dtype=torch.int64)
-            inverse[i, keep] = torch.arange(len(keep))
-            valid[i, : len(keep)] = True
-        device = self.device
-        slots = to_device(self.proposals.slots(req_ids), torch.int64, device)
-        index, inverse = to_device(index, torch.int64, device), to_device(inverse, torch.int64, device)
-        valid = to_device(valid, torch.bool, device)
-        tokens = self.proposals.get("tokens", slots)
-        parents = self.proposals.get("parents", slots)
-        scores = self.proposals.get("scores", slots)
+            host[0, i, : len(keep)] = keep
+            host[1, i, keep] = np.arange(len(keep))
+            host[2, i, : len(keep)] = 1
+        uploaded = to_device(np.concatenate([store.slots(req_ids), host.ravel()]), torch.int64,
+                             self.device)
+        slots, (index, inverse, valid) = uploaded[:num], uploaded[num:].view(3, num, width)
+        valid = valid.bool()
+        tokens, parents = store.rows("tokens", slots), store.rows("parents", slots)
+        scores = store.rows("scores", slots)
         old_parents = parents.gather(1, index)
         new_parents = torch.where(old_parents >= 0, inverse.gather(1, old_parents.clamp(min=0)), -1)
         new_parents = torch.where(valid, new_parents, -1)
@@ -422,7 +470,7 @@ class TreeState:
         self.proposals.set_rows("parents", slots, new_parents)
         # a kept node keeps its depth (its ancestors are kept too); kept nodes are shallower
         # than L, so pointer jumping over L - 1 levels rebuilds their ancestor rows
-        depths = self.proposals.get("depths", slots)
+        depths = store.rows("depths", slots)
         self.proposals.set_rows("depths", slots, torch.where(valid, depths.gather(1, index), 0))
         self.proposals.set_rows("mask", slots, _ancestor_mask(new_parents, self.depth - 1))
         self.proposals.set_rows("scores", slots, torch.where(valid, scores.gather(1, index),
@@ -436,6 +484,8 @@ class TreeState:
         draft_token_ids: torch.Tensor,  # [sum(num_draft)] the scheduled drafts, -1 = placeholder
         query_start: list[int],
         num_tokens: int,
+        scheduled: list[list[int]] | None = None,
+        token_rows: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> VerifyBatch:
         """Build the verify trees of a step from the scheduled drafts and the proposals.
 
@@ -444,19 +494,83 @@ class TreeState:
         [-1, -1, -1] (node 2 is padding). Request "b" has placeholder drafts [-1, -1] and no
         proposal: it is verified as the chain with parents [-1, 0, -1].
         A matched request keeps its proposal's scores; chains get score 0 per node.
+
+        ``scheduled``: each request's scheduled drafts as the scheduler's host lists, where the
+        caller has them. When every request with drafts got exactly the drafts it was sent
+        (:meth:`clip_drafts` keeps them), each tree is its stored proposal as it is: one gather
+        per field and nothing to match on the device (:attr:`VerifyBatch.exact`). Otherwise
+        (a cut proposal, placeholders, no ``scheduled``) the drafts are matched on the device.
+        ``token_rows``: the request index and query position of each of the step's
+        ``num_tokens`` rows (host arrays, vLLM's ``req_indices`` / ``query_pos``); when given,
+        :attr:`VerifyBatch.position_shift` holds each row's position shift: query row i of a
+        request with drafts moves from ``ctx + i`` to ``ctx + depth(i)``.
         """
         num_rows, width, depth = len(req_ids), self.budget, self.depth
-        device = self.device
+        device, store = self.device, self.proposals
         node, chain, chain_depths, chain_mask, pad_mask, within_depth = _verify_constants(
             width, depth, device)
-        # one upload: draft counts, first draft in the flat list, proposal slot (-1: none)
-        host = [num_draft, list(itertools.accumulate([0] + num_draft[:-1])),
-                self.proposals.slots(req_ids)]
-        counts, starts, slots = to_device(host, torch.int64, device)
+        slots = store.slots(req_ids)
+        exact = scheduled is not None and all(
+            m == 0 or (slot >= 0 and store.sent.get(req_id) == drafts)
+            for req_id, m, slot, drafts in zip(req_ids, num_draft, slots, scheduled))
+        # one upload: per request its draft count, first draft in the flat list, proposal
+        # slot (-1: none) and first query row; for an exact step the row each tree is read
+        # from (requests without drafts read the store's empty row) and whether the request
+        # has a proposal; with token_rows, each token's row in the position-shift table
+        counts = np.asarray(num_draft, dtype=np.int64)
+        host = [counts, np.cumsum(counts) - counts, np.asarray(slots, dtype=np.int64),
+                np.asarray(query_start, dtype=np.int64)]
+        if exact:
+            host += [np.where(counts > 0, host[2], store.empty_slot), host[2] >= 0]
+        if token_rows is not None:
+            row_req, row_pos = token_rows
+            node_row = row_pos <= counts[row_req]  # the root (0) and the node rows 1..m
+            host.append(row_req * (width + 1) + np.where(node_row, row_pos, 0))
+        uploaded = to_device(np.concatenate(host), torch.int64, device)
+        per_request = uploaded[: (len(host) - (token_rows is not None)) * num_rows]
+        counts, draft_starts, slots, starts, *exact_rows = per_request.view(-1, num_rows)
+        if exact:
+            slots, matched = exact_rows[0], exact_rows[1].bool()
+        draft_law = None
+        if exact:
+            tree = DraftTree(
+                token_ids=store.rows("tokens", slots), parents=store.rows("parents", slots),
+                depths=store.rows("depths", slots), scores=store.rows("scores", slots),
+                num_nodes=counts, ancestor_mask=store.rows("mask", slots), max_depth=depth)
+            if self._latest_law_names:
+                draft_law = tuple(store.rows(name, slots) for name in self._latest_law_names)
+            offsets = tree.depths - chain_depths  # every scheduled node is real
+        else:
+            tree, matched, draft_law = self._match_drafts(
+                counts, draft_starts, slots, draft_token_ids, node, chain, chain_depths, chain_mask,
+                pad_mask, within_depth)
+            offsets = torch.where(tree.depths > 0, tree.depths - chain_depths, 0)
+        position_shift = None
+        if token_rows is not None:  # [R, B + 1] table, root column 0, read per token
+            table = torch.nn.functional.pad(offsets, (1, 0)).view(-1)
+            position_shift = table[uploaded[per_request.numel():]]
+        self.last_num_draft = list(num_draft)
+        self.verify = VerifyBatch(tree=tree, num_draft=list(num_draft),
+                                  query_start=list(query_start), num_tokens=num_tokens,
+                                  matched=matched, draft_law=draft_law, exact=exact,
+                                  starts=starts, position_shift=position_shift)
+        self.verdict = None
+        self.gather_index = None
+        return self.verify
+
+    def _match_drafts(self, counts, draft_starts, slots, draft_token_ids, node, chain, chain_depths,
+                      chain_mask, pad_mask, within_depth):
+        """:meth:`begin_verify` on the device: each request's scheduled drafts are compared
+        with its proposal; a matched request's tree is its proposal cut to its drafts (any
+        prefix of it is a subtree: its depths and ancestor rows hold), the others are verified
+        as chains (scores 0), cut at the drafting depth L. Returns (tree, matched, law)."""
+        num_rows, width = counts.shape[0], self.budget
+        device = self.device
         in_draft = node[None, :] < counts[:, None]  # [R, B]
         # scheduled drafts, padded to [R, B] with -1
         flat_drafts = draft_token_ids.to(device=device, dtype=torch.int64).flatten()
-        flat_index = (starts[:, None] + node[None, :]).clamp(max=max(flat_drafts.numel() - 1, 0))
+        flat_index = (draft_starts[:, None] + node[None, :]).clamp(
+            max=max(flat_drafts.numel() - 1, 0))
         if flat_drafts.numel() == 0:
             flat_drafts = torch.full((1,), -1, dtype=torch.int64, device=device)
         scheduled = torch.where(in_draft, flat_drafts[flat_index], -1)
@@ -472,8 +586,6 @@ class TreeState:
             same = (torch.where(in_draft, p_tokens.clamp(min=0), -1) == scheduled).all(
                 dim=1, keepdim=True)
             matched = (slots[:, None] >= 0) & same  # [R, 1]
-            # A matched request's tree is its proposal (any prefix of it is a subtree: its
-            # depths and ancestor rows hold); others are verified as chains (scores 0).
             parents = torch.where(matched, self.proposals.get("parents", slots), chains)
             tokens = torch.where(matched, p_tokens, scheduled)
             scores = self.proposals.get("scores", slots).masked_fill(~matched, 0.0)
@@ -492,16 +604,9 @@ class TreeState:
             scores=scores.masked_fill(~real, float("-inf")),
             num_nodes=real.sum(dim=1),
             ancestor_mask=torch.where(rows_real[:, :, None], mask, pad_mask),
-            max_depth=depth,
+            max_depth=self.depth,
         )
-        matched = matched.squeeze(1)
-        self.last_num_draft = list(num_draft)
-        self.verify = VerifyBatch(tree=tree, num_draft=list(num_draft),
-                                  query_start=list(query_start), num_tokens=num_tokens,
-                                  matched=matched, draft_law=draft_law)
-        self.verdict = None
-        self.gather_index = None
-        return self.verify
+        return tree, matched.squeeze(1), draft_law
 
     def end_step_without_verify(self) -> None:
         self.last_num_draft = []
@@ -516,23 +621,22 @@ class TreeState:
         ``start + j`` (its chain slot). Rows that do not move are -1. Example: a request whose
         rows start at 40 with accepted nodes [0, 3, 7] -> src rows [-1, 44, 48], dst rows
         [-1, 42, 43] (node 0 is already in place). The drafter's hidden-state gather index is
-        set from the same pairs.
+        set from the same pairs (the identity elsewhere).
         """
         assert self.verify is not None
         self.verdict = verdict
-        starts = to_device(self.verify.query_start, torch.int64, self.device)
-        rows = verdict.accepted_rows[:, 1:]  # [R, L] query rows within the request, -1 pad
-        depth = torch.arange(1, rows.shape[1] + 1, device=self.device)
-        accepted = rows >= 0
-        src = torch.where(accepted, starts[:, None] + rows, -1)
-        dst = torch.where(accepted, starts[:, None] + depth[None, :], -1)
         num_tokens = self.verify.num_tokens
-        index = torch.arange(num_tokens + 1, device=self.device)
-        index.scatter_(0, torch.where(accepted, dst, num_tokens).flatten(),
-                       torch.where(accepted, src, num_tokens).flatten())
-        self.gather_index = index[:num_tokens]
-        moves = accepted & (src != dst)
-        return torch.where(moves, src, -1).flatten(), torch.where(moves, dst, -1).flatten()
+        rows = verdict.accepted_rows[:, 1:]  # [R, L] query rows within the request, -1 pad
+        identity = _arange(num_tokens + 1, self.device)  # row T: a sentinel
+        depth = _arange(rows.shape[1] + 1, self.device)[1:]  # the chain slots 1..L
+        starts = self.verify.starts[:, None]
+        accepted = rows >= 0
+        # pairs that are not accepted become (T, T): a move of the sentinel row onto itself
+        src = torch.where(accepted, starts + rows, num_tokens).flatten()
+        dst = torch.where(accepted, starts + depth, num_tokens).flatten()
+        self.gather_index = identity.clone().scatter_(0, dst, src)[:num_tokens]
+        moves = src != dst
+        return torch.where(moves, src, -1), torch.where(moves, dst, -1)
 
     def take_gather_index(self, num_tokens: int) -> torch.Tensor | None:
         index, self.gather_index = self.gather_index, None

@@ -96,7 +96,11 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     Requirement(_RUNNER, "GPUModelRunner._prepare_inputs",
                 ("scheduler_output", "num_scheduled_tokens"),
                 reads=(("self.speculative_config", 1),),
-                contains=("use_spec_decode = self.speculative_config is not None",)),
+                contains=("use_spec_decode = self.speculative_config is not None",
+                          "self.req_indices.np[:total_num_scheduled_tokens] = req_indices",
+                          "cu_num_tokens = self._get_cumsum_and_arange( num_scheduled_tokens, "
+                          "self.query_pos.np )"),
+                why="the host req_indices / query_pos of the step's rows (depth positions)"),
     Requirement(_RUNNER, "GPUModelRunner._sample", ("logits", "spec_decode_metadata")),
     Requirement(_RUNNER, "GPUModelRunner.sample_tokens", ("grammar_output",)),
     Requirement(_RUNNER, "GPUModelRunner._input_fits_in_drafter", ("common_attn_metadata",)),
