@@ -9,7 +9,9 @@ the committed tiny pair, float32, eager); each op is charged to the innermost *s
 when it was dispatched. Stages are the plugin's own methods (and vLLM's for ``dflash``);
 vLLM's shared work inside them (its ``_prepare_inputs``, the drafter's input preparation and
 forward, the target forward, the lm_head) is charged to the uncounted stages "vllm" and
-"model", so a stage holds exactly the ops its own code adds. Not counted: views, ``empty*``,
+"model", so a stage holds exactly the ops its own code adds. Not counted: views (an op that
+may return a view, such as ``to``, ``contiguous`` or ``reshape``, counts when it copied),
+``empty*``,
 ``detach`` / ``alias`` and scalar reads to the host (``_local_scalar_dense``: a
 synchronisation, not a kernel). ``host tensors`` counts tensors made from host data
 (``lift_fresh``, i.e. ``torch.tensor(...)`` / ``as_tensor``): each is a host-to-device copy on
@@ -72,7 +74,7 @@ class Counter:
         finally:
             self.stack.pop()
 
-    def record(self, func) -> None:
+    def record(self, func, args, out) -> None:
         stage = self.stack[-1]
         if stage in UNCOUNTED:
             return
@@ -80,10 +82,20 @@ class Counter:
         if name in ("lift_fresh", "lift_fresh_copy"):
             self.host_tensors[stage] += 1
             return
-        if func.is_view or name in SKIPPED:
+        if name in SKIPPED or (func.is_view and not _copied(args, out)):
             return
         self.ops[stage] += 1
         self.by_op[stage][name] += 1
+
+
+def _copied(args, out) -> bool:
+    """Whether an op that may return a view (``to``, ``contiguous``, ``reshape``: under
+    inference mode they reach the dispatcher whole, marked as views) made a copy instead."""
+    import torch
+
+    if not (args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor)):
+        return False
+    return out.untyped_storage().data_ptr() != args[0].untyped_storage().data_ptr()
 
 
 def counting_mode(counter: Counter):
@@ -91,8 +103,9 @@ def counting_mode(counter: Counter):
 
     class Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            counter.record(func)
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            counter.record(func, args, out)
+            return out
 
     return Mode()
 
