@@ -560,7 +560,7 @@ def _wrap_prepare_inputs(original):
         state.count_unmatched(verify)
         # Depth positions, written in place into the persistent buffer (CUDA graphs capture
         # it): query row i of a request with drafts moves from ctx + i to ctx + depth(i).
-        self.positions[:num_tokens] += verify.position_shift
+        self.positions[:num_tokens].add_(verify.position_shift)  # in place: no write-back copy
         _keep_sample_positions(self, state, spec_decode_metadata.logits_indices)
         return result
 

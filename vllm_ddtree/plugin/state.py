@@ -25,7 +25,7 @@ import torch
 
 from vllm_ddtree.plugin.options import DDTreeOptions
 from vllm_ddtree.plugin.policy import BudgetController
-from vllm_ddtree.tree import DraftTree, _ancestor_mask, pack_mask
+from vllm_ddtree.tree import PADDING_TOKEN_ID, DraftTree, _ancestor_mask, pack_mask
 from vllm_ddtree.walk import TreeVerdict
 
 
@@ -216,8 +216,10 @@ class TreeState:
         self.options = options
         self.device = device
         pad_mask = _verify_constants(options.budget, options.depth, device)[4]
+        # a padding node's (token, parent, depth): the "nodes" rows of the store's empty row
+        self._padding_node = torch.tensor([[PADDING_TOKEN_ID], [-1], [0]], device=device)
         self.proposals = ProposalStore(max_num_reqs, device, empty={
-            "tokens": -1, "parents": -1, "depths": 0, "scores": float("-inf"), "mask": pad_mask})
+            "nodes": self._padding_node, "scores": float("-inf"), "mask": pad_mask})
         self.budgets = BudgetController(options, device)
         # The latest proposal's node depths on the host, {req_id: row} -> [R, B] int16, for
         # clip_drafts (copied with vLLM's own draft copy, read after vLLM waits for it).
@@ -300,8 +302,8 @@ class TreeState:
         sampled chains the drafter law they were drawn from (tensors with one row per request),
         until each request is verified or proposed for again."""
         law = {f"law{i}": t for i, t in enumerate(draft_law or ())}
-        self.proposals.put(req_ids, {"tokens": tree.token_ids, "parents": tree.parents,
-                                     "scores": tree.scores, "depths": tree.depths,
+        nodes = torch.stack([tree.token_ids, tree.parents, tree.depths], dim=1)  # [R, 3, B]
+        self.proposals.put(req_ids, {"nodes": nodes, "scores": tree.scores,
                                      "mask": tree.ancestor_mask, **law})
         self._latest_law_names = tuple(law)
         self._latest_rows = {req_id: row for row, req_id in enumerate(req_ids)}
@@ -461,20 +463,20 @@ class TreeState:
                              self.device)
         slots, (index, inverse, valid) = uploaded[:num], uploaded[num:].view(3, num, width)
         valid = valid.bool()
-        tokens, parents = store.rows("tokens", slots), store.rows("parents", slots)
-        scores = store.rows("scores", slots)
-        old_parents = parents.gather(1, index)
-        new_parents = torch.where(old_parents >= 0, inverse.gather(1, old_parents.clamp(min=0)), -1)
-        new_parents = torch.where(valid, new_parents, -1)
-        self.proposals.set_rows("tokens", slots, torch.where(valid, tokens.gather(1, index), -1))
-        self.proposals.set_rows("parents", slots, new_parents)
-        # a kept node keeps its depth (its ancestors are kept too); kept nodes are shallower
-        # than L, so pointer jumping over L - 1 levels rebuilds their ancestor rows
-        depths = store.rows("depths", slots)
-        self.proposals.set_rows("depths", slots, torch.where(valid, depths.gather(1, index), 0))
-        self.proposals.set_rows("mask", slots, _ancestor_mask(new_parents, self.depth - 1))
-        self.proposals.set_rows("scores", slots, torch.where(valid, scores.gather(1, index),
-                                                             float("-inf")))
+        # the kept nodes' (token, parent, depth), first; a kept node keeps its depth (its
+        # ancestors are kept too) and its parent is renumbered; the rest padding
+        kept_nodes = store.rows("nodes", slots).gather(2, index[:, None, :].expand(-1, 3, -1))
+        old_parents = kept_nodes[:, 1]
+        new_parents = torch.where(old_parents >= 0, inverse.gather(1, old_parents.clamp(min=0)),
+                                  -1)
+        kept_nodes = torch.stack([kept_nodes[:, 0], new_parents, kept_nodes[:, 2]], dim=1)
+        store.set_rows("nodes", slots, torch.where(valid[:, None], kept_nodes, self._padding_node))
+        # kept nodes are shallower than L: pointer jumping over L - 1 levels rebuilds their
+        # ancestor rows (padding nodes hang off the root)
+        store.set_rows("mask", slots, _ancestor_mask(torch.where(valid, new_parents, -1),
+                                                     self.depth - 1))
+        store.set_rows("scores", slots, torch.where(valid, store.rows("scores", slots).gather(
+            1, index), float("-inf")))
         # hsd_chain draft laws need no re-indexing: a chain keeps a prefix of its nodes
 
     def begin_verify(
@@ -534,8 +536,7 @@ class TreeState:
         draft_law = None
         if exact:
             tree = DraftTree(
-                token_ids=store.rows("tokens", slots), parents=store.rows("parents", slots),
-                depths=store.rows("depths", slots), scores=store.rows("scores", slots),
+                *store.rows("nodes", slots).unbind(1), scores=store.rows("scores", slots),
                 num_nodes=counts, ancestor_mask=store.rows("mask", slots), max_depth=depth)
             if self._latest_law_names:
                 draft_law = tuple(store.rows(name, slots) for name in self._latest_law_names)
@@ -574,22 +575,23 @@ class TreeState:
         if flat_drafts.numel() == 0:
             flat_drafts = torch.full((1,), -1, dtype=torch.int64, device=device)
         scheduled = torch.where(in_draft, flat_drafts[flat_index], -1)
-        p_tokens = self.proposals.get("tokens", slots)
+        p_nodes = self.proposals.get("nodes", slots)
         draft_law = None
         chains = chain.expand(num_rows, width)
-        if p_tokens is None or p_tokens.shape[1] != width:
+        if p_nodes is None or p_nodes.shape[2] != width:
             matched = torch.zeros(num_rows, 1, dtype=torch.bool, device=device)
             tokens, parents, scores = scheduled, chains, torch.zeros(num_rows, width, device=device)
             depths, mask = chain_depths.expand(num_rows, width), chain_mask
         else:
+            p_tokens, p_parents, p_depths = p_nodes.unbind(1)
             # the proposal's tokens as the scheduler saw them (zero-probability padding -> 0)
             same = (torch.where(in_draft, p_tokens.clamp(min=0), -1) == scheduled).all(
                 dim=1, keepdim=True)
             matched = (slots[:, None] >= 0) & same  # [R, 1]
-            parents = torch.where(matched, self.proposals.get("parents", slots), chains)
+            parents = torch.where(matched, p_parents, chains)
             tokens = torch.where(matched, p_tokens, scheduled)
             scores = self.proposals.get("scores", slots).masked_fill(~matched, 0.0)
-            depths = torch.where(matched, self.proposals.get("depths", slots), chain_depths)
+            depths = torch.where(matched, p_depths, chain_depths)
             mask = torch.where(matched[:, :, None], self.proposals.get("mask", slots), chain_mask)
             if self._latest_law_names:
                 draft_law = tuple(self.proposals.get(name, slots) for name in self._latest_law_names)
