@@ -245,6 +245,28 @@ def run_one(method: str, budget: int, num_requests: int, temperature: float,
     }
 
 
+def run_child(script: str, one: str, extra: list[str]) -> dict:
+    """Run ``script --one ONE EXTRA...`` (one configuration per process: the instrumentation
+    patches classes) and return the JSON it prints on its ``RESULT`` line."""
+    out = subprocess.run([sys.executable, script, "--one", one, *extra], capture_output=True,
+                         text=True, check=False)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise SystemExit(f"{one} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def write_results(path: str, script: str, results: list[dict]) -> None:
+    """The results as JSON, with the command that made them and the commit."""
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
+    command = f"python benchmarks/{os.path.basename(script)} " + " ".join(sys.argv[1:])
+    with open(path, "w") as f:
+        json.dump({"command": command, "commit": commit, "device": "cpu", "results": results},
+                  f, indent=1)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256])
@@ -266,22 +288,12 @@ def main() -> None:
         one = json.dumps({"method": method, "budget": budget, "num_requests": reqs,
                           "temperature": temp})
         start = time.time()
-        out = subprocess.run([sys.executable, __file__, "--one", one, "--max-tokens",
-                              str(args.max_tokens)], capture_output=True, text=True, check=False)
-        line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if line is None:
-            raise SystemExit(f"{one} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-        result = json.loads(line[len("RESULT "):])
+        result = run_child(__file__, one, ["--max-tokens", str(args.max_tokens)])
         results.append(result)
         print(f"{method:6s} B={budget:3d} R={reqs} T={temp}: "
               f"{result['launches_per_verify_step']:6.1f} launches per verify step "
               f"{result['per_stage']} ({time.time() - start:.0f} s)", flush=True)
-    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
-    with open(args.out, "w") as f:
-        json.dump({"command": "python benchmarks/launches.py " + " ".join(sys.argv[1:]),
-                   "commit": commit, "device": "cpu", "results": results}, f, indent=1)
-    print(f"wrote {args.out}")
+    write_results(args.out, __file__, results)
 
 
 if __name__ == "__main__":

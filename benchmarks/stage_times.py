@@ -22,7 +22,6 @@ import collections
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -116,20 +115,11 @@ def main() -> None:
     results = []
     for method, budget in (("dflash", depth), ("ddtree", args.budget)):
         one = json.dumps({"method": method, "budget": budget, "num_requests": args.requests})
-        out = subprocess.run([sys.executable, __file__, "--one", one, "--target", args.target,
-                              "--drafter", args.drafter, "--max-tokens", str(args.max_tokens)],
-                             capture_output=True, text=True, check=False)
-        line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if line is None:
-            raise SystemExit(f"{one} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-        results.append(json.loads(line[len("RESULT "):]))
+        results.append(launches.run_child(__file__, one, [
+            "--target", args.target, "--drafter", args.drafter,
+            "--max-tokens", str(args.max_tokens)]))
         print(json.dumps(results[-1]), flush=True)
-    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
-    with open(args.out, "w") as f:
-        json.dump({"command": "python benchmarks/stage_times.py " + " ".join(sys.argv[1:]),
-                   "commit": commit, "device": "cpu", "results": results}, f, indent=1)
-    print(f"wrote {args.out}")
+    launches.write_results(args.out, __file__, results)
 
 
 if __name__ == "__main__":

@@ -118,6 +118,34 @@ def _positions(num_draft: list[int], context: int = 30) -> torch.Tensor:
     depth: here every tree is given its chain depth, which is all the sampler reads)."""
     return torch.cat([context + r + torch.arange(m + 1) for r, m in enumerate(num_draft)])
 
+def _prefer_first_children(logits, tree, num_draft, boost: float) -> None:
+    """Each root/node row of the flat ``logits`` strongly prefers the token of its first child."""
+    for r in range(len(num_draft)):
+        start, seen = sum(num_draft[:r]) + r, set()
+        for k in range(num_draft[r]):
+            parent = int(tree.parents[r, k])
+            if parent not in seen:
+                seen.add(parent)
+                logits[start + parent + 1, int(tree.token_ids[r, k])] += boost
+
+
+def _assert_python_walk(out, tree, num_draft, sampled: list[int]) -> int:
+    """Each request's output row is the Python walk of the flat ``sampled`` tokens over its
+    tree (accepted tokens, bonus, then -1); returns the deepest accepted path's length."""
+    deepest = 0
+    for r, m in enumerate(num_draft):
+        start = sum(num_draft[:r]) + r
+        children = {(int(tree.parents[r, k]), int(tree.token_ids[r, k])): k for k in range(m)}
+        node, expect = -1, []
+        while (node, sampled[start + node + 1]) in children:
+            node = children[(node, sampled[start + node + 1])]
+            expect.append(int(tree.token_ids[r, node]))
+        expect.append(sampled[start + node + 1])
+        deepest = max(deepest, len(expect) - 1)
+        assert out[r].tolist() == expect + [-1] * (max(num_draft) + 1 - len(expect)), r
+    return deepest
+
+
 
 def _seeded_oracle(logits: torch.Tensor, row: int, seed: int, setting, position: int) -> int:
     """The token of a seeded row, independently: the reference processed law
@@ -145,13 +173,7 @@ def test_tree_sampler_walks_vllm_sampler_tokens(monkeypatch, rows_per_chunk):
     num_rows = sum(num_draft) + len(num_draft)
     logits = torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(5)) * 2
     # make the walk go deep: each root/node row strongly prefers the token of its first child
-    for r in range(len(num_draft)):
-        start, seen = sum(num_draft[:r]) + r, set()
-        for k in range(num_draft[r]):
-            parent = int(tree.parents[r, k])
-            if parent not in seen:
-                seen.add(parent)
-                logits[start + parent + 1, int(tree.token_ids[r, k])] += 6.0
+    _prefer_first_children(logits, tree, num_draft, 6.0)
     out = TreeRejectionSampler(state)(metadata, None, logits, _metadata(vocab)).sampled_token_ids
 
     request = torch.repeat_interleave(torch.arange(4), torch.tensor(num_draft) + 1)
@@ -163,17 +185,7 @@ def test_tree_sampler_walks_vllm_sampler_tokens(monkeypatch, rows_per_chunk):
     for row, r in enumerate(request.tolist()):  # seeded rows: their position's noise
         if int(r) in theirs.generators:
             sampled[row] = _seeded_oracle(logits, row, SETTINGS[r][3], SETTINGS[r], positions[row])
-    deepest = 0
-    for r, m in enumerate(num_draft):
-        start = sum(num_draft[:r]) + r
-        children = {(int(tree.parents[r, k]), int(tree.token_ids[r, k])): k for k in range(m)}
-        node, expect = -1, []
-        while (node, sampled[start + node + 1]) in children:
-            node = children[(node, sampled[start + node + 1])]
-            expect.append(int(tree.token_ids[r, node]))
-        expect.append(sampled[start + node + 1])
-        deepest = max(deepest, len(expect) - 1)
-        assert out[r].tolist() == expect + [-1] * (max(num_draft) + 1 - len(expect)), r
+    deepest = _assert_python_walk(out, tree, num_draft, sampled)
     assert deepest >= 2
 
 
@@ -324,24 +336,8 @@ def test_greedy_tree_sampler_is_the_argmax_walk(num_draft):
     tree = state.verify.tree
     logits = torch.randn(sum(num_draft) + len(num_draft), vocab,
                          generator=torch.Generator().manual_seed(4))
-    for r in range(len(num_draft)):  # each row prefers its first child: deep walks
-        start, seen = sum(num_draft[:r]) + r, set()
-        for k in range(num_draft[r]):
-            parent = int(tree.parents[r, k])
-            if parent not in seen:
-                seen.add(parent)
-                logits[start + parent + 1, int(tree.token_ids[r, k])] += 8.0
+    _prefer_first_children(logits, tree, num_draft, 8.0)  # deep walks
     out = TreeRejectionSampler(state)(metadata, None, logits, Greedy()).sampled_token_ids
     assert out.dtype == torch.int32 and out.shape == (len(num_draft), max(num_draft) + 1)
-    sampled, deepest = logits.argmax(-1).tolist(), 0
-    for r, m in enumerate(num_draft):
-        start = sum(num_draft[:r]) + r
-        children = {(int(tree.parents[r, k]), int(tree.token_ids[r, k])): k for k in range(m)}
-        node, expect = -1, []
-        while (node, sampled[start + node + 1]) in children:
-            node = children[(node, sampled[start + node + 1])]
-            expect.append(int(tree.token_ids[r, node]))
-        expect.append(sampled[start + node + 1])
-        assert out[r].tolist() == expect + [-1] * (max(num_draft) + 1 - len(expect)), r
-        deepest = max(deepest, len(expect) - 1)
+    deepest = _assert_python_walk(out, tree, num_draft, logits.argmax(-1).tolist())
     assert deepest >= 3
