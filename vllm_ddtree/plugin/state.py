@@ -531,10 +531,9 @@ class TreeState:
         uploaded = to_device(np.concatenate(host), torch.int64, device)
         per_request = uploaded[: (len(host) - (token_rows is not None)) * num_rows]
         counts, draft_starts, slots, starts, *exact_rows = per_request.view(-1, num_rows)
-        if exact:
-            slots, matched = exact_rows[0], exact_rows[1].bool()
         draft_law = None
         if exact:
+            slots, matched = exact_rows[0], exact_rows[1].bool()
             tree = DraftTree(
                 *store.rows("nodes", slots).unbind(1), scores=store.rows("scores", slots),
                 num_nodes=counts, ancestor_mask=store.rows("mask", slots), max_depth=depth)
