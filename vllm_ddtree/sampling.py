@@ -34,7 +34,6 @@ import bisect
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
@@ -240,11 +239,16 @@ SampleOp = Callable[[torch.Tensor, dict, torch.Tensor | None, torch.Tensor | Non
 MaskOp = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
 
 
-@lru_cache(maxsize=64)
-def _row_constants(width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(zero [1], columns [width + 1])`` int64 for :func:`verify_rows`, built once."""
-    columns = torch.arange(width + 1, device=device)
-    return columns[:1] * 0, columns
+_ARANGES: dict[torch.device, torch.Tensor] = {}
+
+
+def cached_arange(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` int64 on ``device`` without a launch: a view of one cached table per
+    device (grown by doubling), shared by every per-step index of the plugin."""
+    table = _ARANGES.get(device)
+    if table is None or table.numel() < n:
+        table = _ARANGES[device] = torch.arange(max(2 * n, 1024), device=device)
+    return table[:n]
 
 
 def verify_rows(cu_num_rows: torch.Tensor, width: int) -> torch.Tensor:
@@ -256,8 +260,8 @@ def verify_rows(cu_num_rows: torch.Tensor, width: int) -> torch.Tensor:
     ``[[0, 1, 2, 3], [4, 4, 4, 4], [5, 6, 7, 7]]``.
     """
     ends = cu_num_rows.long()
-    zero, columns = _row_constants(width, ends.device)
-    starts = torch.cat([zero, ends[:-1]])
+    columns = cached_arange(width + 1, ends.device)
+    starts = torch.cat([columns[:1], ends[:-1]])  # columns[0] is 0
     return torch.minimum(starts[:, None] + columns, ends[:, None] - 1)
 
 

@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_ddtree.sampling import row_chunks
+from vllm_ddtree.sampling import cached_arange, row_chunks
 
 __all__ = [
     "DraftTree",
@@ -423,12 +423,6 @@ def _root_and_self_bits(num_rows: int, device: torch.device) -> torch.Tensor:
     return torch.cat([start, start[:1]])
 
 
-@lru_cache(maxsize=64)
-def _batch_index(batch: int, device: torch.device) -> torch.Tensor:
-    """``[batch, 1]`` int64 ``0..batch-1``: the first index of a per-request row lookup."""
-    return torch.arange(batch, device=device)[:, None]
-
-
 def _ancestor_rows(pointers: torch.Tensor, max_depth: int) -> torch.Tensor:
     """Packed ancestor rows ``[batch, B + 1, W]`` by pointer jumping, from ``pointers``
     ``[batch, B + 2]``: the parent node (-1 = the root) of the rows [root, node 0..B-1, root
@@ -447,7 +441,7 @@ def _ancestor_rows(pointers: torch.Tensor, max_depth: int) -> torch.Tensor:
     num_rows = num_pointers - 1
     start = _root_and_self_bits(num_rows, pointers.device)  # [B + 2, W]
     mask = start.expand(batch, *start.shape)
-    request = _batch_index(batch, pointers.device)
+    request = cached_arange(batch, pointers.device)[:, None]  # per-request row lookup
     jump = pointers
     rounds = max(max_depth - 1, 0).bit_length()  # 2^rounds >= max_depth
     for round_ in range(rounds):

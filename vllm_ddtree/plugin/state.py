@@ -25,6 +25,7 @@ import torch
 
 from vllm_ddtree.plugin.options import DDTreeOptions
 from vllm_ddtree.plugin.policy import BudgetController
+from vllm_ddtree.sampling import cached_arange
 from vllm_ddtree.tree import PADDING_TOKEN_ID, DraftTree, _ancestor_mask, pack_mask
 from vllm_ddtree.walk import TreeVerdict
 
@@ -92,17 +93,6 @@ def _verify_constants(width: int, depth: int, device: torch.device):
     chain_mask = pack_mask(rows[None, :] <= rows[:, None])
     pad_mask = pack_mask((rows[None, :] == rows[:, None]) | (rows[None, :] == 0))
     return node, node - 1, node + 1, chain_mask, pad_mask, node < depth
-
-
-_ARANGES: dict[torch.device, torch.Tensor] = {}
-
-
-def _arange(n: int, device: torch.device) -> torch.Tensor:
-    """``arange(n)`` on ``device``, a view of one cached table (grown by doubling)."""
-    table = _ARANGES.get(device)
-    if table is None or table.numel() < n:
-        table = _ARANGES[device] = torch.arange(max(2 * n, 1024), device=device)
-    return table[:n]
 
 
 def chain_parents(num_rows: int, width: int, device: torch.device) -> torch.Tensor:
@@ -628,8 +618,8 @@ class TreeState:
         self.verdict = verdict
         num_tokens = self.verify.num_tokens
         rows = verdict.accepted_rows[:, 1:]  # [R, L] query rows within the request, -1 pad
-        identity = _arange(num_tokens + 1, self.device)  # row T: a sentinel
-        depth = _arange(rows.shape[1] + 1, self.device)[1:]  # the chain slots 1..L
+        identity = cached_arange(num_tokens + 1, self.device)  # row T: a sentinel
+        depth = cached_arange(rows.shape[1] + 1, self.device)[1:]  # the chain slots 1..L
         starts = self.verify.starts[:, None]
         accepted = rows >= 0
         # pairs that are not accepted become (T, T): a move of the sentinel row onto itself
