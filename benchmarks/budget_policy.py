@@ -264,17 +264,21 @@ def paired(base: dict, other: dict, c: int) -> float:
     return statistics.median(b / o for b, o in zip(base["runs_s"][c], other["runs_s"][c]))
 
 
+def drafter_depth(drafter: str) -> int:
+    """L, the drafting depth of the DFlash drafter in directory ``drafter`` (block_size - 1)."""
+    with open(os.path.join(drafter, "config.json")) as f:
+        config = json.load(f)
+    return ((config.get("dflash_config") or {}).get("block_size") or config["block_size"]) - 1
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    with open(os.path.join(args.drafter, "config.json")) as f:
-        drafter = json.load(f)
-    block_size = (drafter.get("dflash_config") or {}).get("block_size") or drafter["block_size"]
     prompts = prompts_for(args, args.num_prompts)
     device = device_name()
     print(f"device: {device}; {len(prompts)} prompts x {args.max_tokens} tokens, T=0", flush=True)
-    rows = run_all(args, configurations(args, block_size - 1), prompts)
+    rows = run_all(args, configurations(args, drafter_depth(args.drafter)), prompts)
     import torch
     import vllm
 

@@ -27,7 +27,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import launches  # noqa: E402  (sets the engine's environment, the tests' helpers on sys.path)
+# budget_policy first: launches drops this directory from sys.path (and sets the engine's
+# environment, and puts the tests' helpers on sys.path)
+from budget_policy import drafter_depth  # noqa: E402
+import launches  # noqa: E402
 
 PAIR = os.path.join(ROOT, "vllm_ddtree", "assets", "tiny_pair")
 
@@ -109,11 +112,8 @@ def main() -> None:
                          max_tokens=args.max_tokens)
         print("RESULT " + json.dumps(result), flush=True)
         return
-    with open(os.path.join(args.drafter, "config.json")) as f:
-        drafter = json.load(f)
-    depth = ((drafter.get("dflash_config") or {}).get("block_size") or drafter["block_size"]) - 1
     results = []
-    for method, budget in (("dflash", depth), ("ddtree", args.budget)):
+    for method, budget in (("dflash", drafter_depth(args.drafter)), ("ddtree", args.budget)):
         one = json.dumps({"method": method, "budget": budget, "num_requests": args.requests})
         results.append(launches.run_child(__file__, one, [
             "--target", args.target, "--drafter", args.drafter,
