@@ -146,21 +146,30 @@ def native_mask(logits, k, p):
 # inputs
 
 
-def make_setting(name: str, num_reqs: int, vocab: int, device) -> SimpleNamespace:
-    """vLLM-like sampling metadata (the fields the plugin reads) for one setting."""
-    if name == "greedy":
-        return SimpleNamespace(all_greedy=True, all_random=False, temperature=None, top_k=None,
-                               top_p=None, generators={})
-    temperature = torch.full((num_reqs,), 0.6 if name != "hsd" else 1.0, device=device)
-    top_k = torch.full((num_reqs,), 20, dtype=torch.int32, device=device)
-    top_p = torch.full((num_reqs,), 0.95, device=device)
+def make_setting(name: str, num_reqs: int, vocab: int, device):
+    """vLLM's sampling metadata for one setting (sampling only: no other request feature)."""
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    temperature = top_k = top_p = None
     generators = {}
+    if name != "greedy":
+        temperature = torch.full((num_reqs,), 0.6 if name != "hsd" else 1.0, device=device)
+        top_k = torch.full((num_reqs,), 20, dtype=torch.int32, device=device)
+        top_p = torch.full((num_reqs,), 0.95, device=device)
     if name == "mixed":
         temperature[0] = 0.0
         top_k[0], top_p[0] = vocab, 1.0
         generators = {1: torch.Generator(device=device).manual_seed(7)}
-    return SimpleNamespace(all_greedy=False, all_random=name != "mixed", temperature=temperature,
-                           top_k=top_k, top_p=top_p, generators=generators)
+    return SamplingMetadata(
+        temperature=temperature, all_greedy=name == "greedy",
+        all_random=name not in ("greedy", "mixed"), top_p=top_p, top_k=top_k,
+        generators=generators, max_num_logprobs=None, no_penalties=True, prompt_token_ids=None,
+        frequency_penalties=torch.zeros(num_reqs, device=device),
+        presence_penalties=torch.zeros(num_reqs, device=device),
+        repetition_penalties=torch.ones(num_reqs, device=device),
+        output_token_ids=[[] for _ in range(num_reqs)], allowed_token_ids_mask=None,
+        bad_words_token_ids={}, logitsprocs=LogitsProcessors())
 
 
 def spec_metadata(num_draft: list[int], drafts: torch.Tensor, device):

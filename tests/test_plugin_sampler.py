@@ -37,10 +37,9 @@ from vllm_ddtree.tree import DraftTree, _ancestor_mask, build_tree
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class Greedy:
-    all_greedy = True
-    all_random = False
-    temperature = None
+def greedy(num_reqs: int):
+    """vLLM's sampling metadata of ``num_reqs`` greedy requests without other features."""
+    return vllm_metadata(torch.zeros(num_reqs), None, None, {})
 
 
 def greedy_chain_output(drafts: list[int], logits: torch.Tensor) -> list[int]:
@@ -70,7 +69,7 @@ def test_warmup_batch_walks_the_widest_tree_not_the_budget(monkeypatch):
     drafts = [[int(t)] for t in torch.randint(0, vocab, (num_reqs,))]
     metadata = SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
     logits = torch.randn(2 * num_reqs, vocab)
-    out = TreeRejectionSampler(state)(metadata, None, logits, Greedy()).sampled_token_ids
+    out = TreeRejectionSampler(state)(metadata, None, logits, greedy(len(metadata.num_draft_tokens))).sampled_token_ids
     assert seen == [torch.Size([num_reqs, 2])]
     # the warm-up's chains are not left for the attention of a later dummy forward (vLLM
     # captures CUDA graphs with dummy forwards after this run): a tree of another batch
@@ -295,7 +294,7 @@ def test_sampler_has_no_host_sync(mode):
     checker = NoHostSync(scope=SCOPE)
     with no_host_sync(checker):
         sampler(metadata, None, logits, _metadata(vocab))
-        sampler(metadata, None, logits, Greedy())
+        sampler(metadata, None, logits, greedy(len(metadata.num_draft_tokens)))
     assert checker.num_checked > 0
 
 
@@ -337,7 +336,7 @@ def test_greedy_tree_sampler_is_the_argmax_walk(num_draft):
     logits = torch.randn(sum(num_draft) + len(num_draft), vocab,
                          generator=torch.Generator().manual_seed(4))
     _prefer_first_children(logits, tree, num_draft, 8.0)  # deep walks
-    out = TreeRejectionSampler(state)(metadata, None, logits, Greedy()).sampled_token_ids
+    out = TreeRejectionSampler(state)(metadata, None, logits, greedy(len(metadata.num_draft_tokens))).sampled_token_ids
     assert out.dtype == torch.int32 and out.shape == (len(num_draft), max(num_draft) + 1)
     deepest = _assert_python_walk(out, tree, num_draft, logits.argmax(-1).tolist())
     assert deepest >= 3

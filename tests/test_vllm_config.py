@@ -442,23 +442,25 @@ def test_check_live_names_each_broken_requirement(monkeypatch):
     versions.check_live((0, 32))
 
 
-# 3. per-request rejection (one real engine) --------------------------------------------------
+# 3. per-request features (one real engine) --------------------------------------------------
 
 PROMPT = "def fibonacci(n):\n"
 GREEDY = dict(temperature=0.0, max_tokens=16, ignore_eos=True)
 
-# (request feature, words its error must contain)
-CHAIN_ONLY = {
-    "logprobs": (dict(logprobs=1), ("logprobs",)),
-    "logprob_token_ids": (dict(logprob_token_ids=[1, 2]), ("logprob_token_ids",)),
-    "presence_penalty": (dict(presence_penalty=0.5), ("presence", "penalties")),
-    "frequency_penalty": (dict(frequency_penalty=0.5), ("frequency", "penalties")),
-    "repetition_penalty": (dict(repetition_penalty=1.2), ("repetition", "penalties")),
-    "bad_words": (dict(bad_words=["def"]), ("bad_words",)),
-    "min_tokens": (dict(min_tokens=4), ("min_tokens",)),
-    "structured_outputs": (dict(structured_outputs=StructuredOutputsParams(choice=["a", "b"])),
-                           ("structured outputs",)),
-    "allowed_token_ids": (dict(allowed_token_ids=[1, 2, 3]), ("allowed_token_ids",)),
+# every feature that vLLM's chain path serves, and min_p / logit_bias, which it refuses
+# (engine-level identity with plain decoding: test_vllm_features.py)
+SERVED = {
+    "logprobs": dict(logprobs=1),
+    "logprob_token_ids": dict(logprob_token_ids=[1, 2]),
+    "presence_penalty": dict(presence_penalty=0.5),
+    "frequency_penalty": dict(frequency_penalty=0.5),
+    "repetition_penalty": dict(repetition_penalty=1.2),
+    "bad_words": dict(bad_words=["def"]),
+    "min_tokens": dict(min_tokens=4),
+    "structured_outputs": dict(structured_outputs=StructuredOutputsParams(choice=["a", "b"])),
+    "allowed_token_ids": dict(allowed_token_ids=[1, 2, 3]),
+    "min_p": dict(min_p=0.1),  # reset to 0 at temperature 0 by vLLM: sampled in the tests
+    "logit_bias": dict(logit_bias={5: 2.0}),
 }
 
 
@@ -475,52 +477,37 @@ def engine():
     close(llm)
 
 
-@pytest.mark.parametrize("feature", list(CHAIN_ONLY))
-def test_chain_only_request_is_rejected(engine, feature):
+def test_every_request_feature_is_served(engine):
+    """One batch with every feature, one request each, next to plain requests: nothing is
+    refused, every request runs to its length (structured outputs: to the grammar's end)."""
     llm, before = engine
-    kwargs, words = CHAIN_ONLY[feature]
-    with pytest.raises(VLLMValidationError) as info:
-        llm.generate(PROMPT, SamplingParams(**GREEDY, **kwargs), use_tqdm=False)
-    message = str(info.value)
-    assert "ddtree" in message and "does not support" in message, message
-    for word in words:
-        assert word in message, (word, message)
-    assert not llm.llm_engine.has_unfinished_requests()
-    # the engine still serves, with the same outputs as before the bad request
-    assert _ids(llm.generate([PROMPT, "x"], SamplingParams(**GREEDY), use_tqdm=False)) == before
+    params = [SamplingParams(**dict(GREEDY, temperature=0.8 if name == "min_p" else 0.0), **kwargs)
+              for name, kwargs in SERVED.items()]
+    outs = llm.generate([PROMPT] * len(params) + [PROMPT, "x"],
+                        params + [SamplingParams(**GREEDY)] * 2, use_tqdm=False)
+    for name, out in zip(SERVED, outs):
+        n = len(out.outputs[0].token_ids)
+        assert n == GREEDY["max_tokens"] or (name == "structured_outputs"
+                                             and out.outputs[0].text in ("a", "b")), (name, n)
+    assert _ids(outs[-2:]) == before
+    assert outs[0].outputs[0].logprobs is not None and len(outs[0].outputs[0].logprobs) == 16
 
 
-def test_several_features_are_named_together(engine):
-    llm, _ = engine
-    params = SamplingParams(**GREEDY, logprobs=2, min_tokens=2, bad_words=["x"])
-    with pytest.raises(VLLMValidationError, match=r"logprobs, bad_words, min_tokens"):
-        llm.generate(PROMPT, params, use_tqdm=False)
-
-
-def test_batch_with_one_bad_request_is_rejected_whole(engine):
-    """``LLM.generate`` validates each request at add time; on the first refusal it aborts
-    the requests already added and raises: nothing of the batch runs, nothing is left over."""
+def test_thinking_budget_is_rejected_and_the_engine_keeps_serving(engine):
+    """``thinking_token_budget`` (vLLM's thinking-budget state follows chains of drafts) is
+    refused per request: ``LLM.generate`` aborts the batch, nothing is left over, the engine
+    still serves the same outputs."""
     llm, before = engine
     good = SamplingParams(**GREEDY)
-    bad = SamplingParams(**GREEDY, presence_penalty=0.5)
-    with pytest.raises(VLLMValidationError, match="ddtree.*presence"):
+    bad = SamplingParams(**GREEDY, thinking_token_budget=8)
+    with pytest.raises(VLLMValidationError, match="thinking_token_budget"):
         llm.generate([PROMPT, "x", PROMPT], [good, good, bad], use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
     assert llm.llm_engine.get_num_unfinished_requests() == 0
     assert _ids(llm.generate([PROMPT, "x"], [good, good], use_tqdm=False)) == before
 
 
-def test_features_that_do_not_assume_chains_are_served(engine):
-    """Sampling parameters the tree path handles are not refused (the rejection is narrow)."""
-    llm, _ = engine
-    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1, max_tokens=8,
-                            stop=["\n\n\n"], prompt_logprobs=1)
-    out = llm.generate(PROMPT, params, use_tqdm=False)[0]
-    assert 1 <= len(out.outputs[0].token_ids) <= 8
-    assert out.prompt_logprobs is not None
-
-
-# 4. the refusal is ddtree-only ---------------------------------------------------------------
+# 4. what the validation decides, without an engine ------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -530,14 +517,22 @@ def spec_configs():
     return dflash.speculative_config, tree.speculative_config
 
 
-@pytest.mark.parametrize("feature", list(CHAIN_ONLY))
-def test_plain_and_dflash_accept_what_ddtree_refuses(spec_configs, feature):
+@pytest.mark.parametrize("feature", ["min_p", "logit_bias"])
+def test_ddtree_serves_what_vllm_refuses_under_speculation(spec_configs, feature):
     dflash, tree = spec_configs
-    kwargs, words = CHAIN_ONLY[feature]
-    params = SamplingParams(**GREEDY, **kwargs)
+    params = SamplingParams(temperature=0.8, max_tokens=16, **SERVED[feature])  # greedy: min_p 0
     params._validate_spec_decode(None)  # no speculation: accepted
-    params._validate_spec_decode(dflash)  # vLLM's own dflash: accepted
+    with pytest.raises(VLLMValidationError, match="min_p and logit_bias"):
+        params._validate_spec_decode(dflash)  # vLLM's own dflash refuses it
+    params._validate_spec_decode(tree)
+
+
+def test_thinking_budget_refusal_is_ddtree_only(spec_configs):
+    dflash, tree = spec_configs
+    params = SamplingParams(**GREEDY, thinking_token_budget=8)
+    params._validate_spec_decode(None)
+    params._validate_spec_decode(dflash)
     with pytest.raises(VLLMValidationError) as info:
         params._validate_spec_decode(tree)
-    assert "ddtree" in str(info.value) and words[0] in str(info.value)
+    assert "ddtree" in str(info.value) and "thinking_token_budget" in str(info.value)
     SamplingParams(**GREEDY)._validate_spec_decode(tree)  # the plain request is fine

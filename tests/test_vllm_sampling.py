@@ -42,7 +42,13 @@ P_MIN = 1e-4  # bound on each law group's p-value (its nominal false-alarm rate)
 SETTINGS = {  # name -> vLLM SamplingParams keywords (top_k 0 / top_p 1: off)
     "t1": dict(temperature=1.0, top_k=0, top_p=1.0),
     "t07_k20_p09": dict(temperature=0.7, top_k=20, top_p=0.9),
+    # request features whose law depends on each token's history (penalties: a tree node's
+    # path) or that vLLM refuses under speculative decoding (logit_bias, min_p)
+    "t1_features": dict(temperature=1.0, top_k=0, top_p=1.0, presence_penalty=-2.0,
+                        frequency_penalty=-1.5, repetition_penalty=1.3, min_p=0.02,
+                        logit_bias={12: 1.0, 289: -0.7}),
 }
+FEATURES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p")
 N_PER_SETTING = 1800  # requests per setting in the engine law tests
 N_SEEDED = 600  # + requests of the top-k/top-p setting with distinct seeds, in the same batch
 SEED0 = 1000
@@ -87,8 +93,40 @@ class TargetLaw:
                              top_p=torch.full((n,), float(setting["top_p"])))
 
     def probs(self, prefixes: list[tuple], setting: dict) -> torch.Tensor:
-        logits = self.logits(prefixes)[:, None].double()
-        return processed_logits(logits, self.sampling(setting, len(prefixes)))[:, 0].softmax(-1)
+        logits = self.features(self.logits(prefixes).double(), prefixes, setting)
+        logits = processed_logits(logits[:, None], self.sampling(setting, len(prefixes)))[:, 0]
+        if setting.get("min_p"):  # after the temperature, as vLLM (top-k / top-p are off here)
+            probs = logits.softmax(-1)
+            logits = logits.masked_fill(probs < probs.amax(-1, keepdim=True) * setting["min_p"],
+                                        float("-inf"))
+        return logits.softmax(-1)
+
+    def features(self, logits: torch.Tensor, prefixes: list[tuple], setting: dict):
+        """``logit_bias``, then the penalties with each prefix as the output so far (vLLM's own
+        ``apply_all_penalties``, the prompt counting for the repetition penalty)."""
+        from vllm.v1.sample.ops.penalties import apply_all_penalties
+
+        for token, bias in (setting.get("logit_bias") or {}).items():
+            logits[:, token] += bias
+        n = len(prefixes)
+        penalty = lambda key, default: torch.full((n,), float(setting.get(key, default)),  # noqa: E731
+                                                  dtype=torch.float64)
+        if any(k in setting for k in FEATURES[:3]):
+            logits = apply_all_penalties(
+                logits, torch.tensor([self.prompt_ids] * n), penalty("presence_penalty", 0),
+                penalty("frequency_penalty", 0), penalty("repetition_penalty", 1),
+                [list(p) for p in prefixes])
+        return logits
+
+    def min_p_margin(self, prefixes: list[tuple], setting: dict) -> float:
+        """Smallest |log p - log(min_p max p)| over ``prefixes`` and tokens: how far the min_p
+        decisions are from flipping (inf without min_p)."""
+        if not setting.get("min_p"):
+            return math.inf
+        logits = self.features(self.logits(prefixes).double(), prefixes, setting)
+        logp = (logits / setting["temperature"]).log_softmax(-1)
+        edge = logp.amax(-1, keepdim=True) + math.log(setting["min_p"])
+        return float((logp - edge).abs().min())
 
     def joint(self, setting: dict, min_prob: float = 0.0) -> dict[tuple, float]:
         """P(t1, t2, t3) of every triple whose probability is >= ``min_prob`` and > 0 (with
@@ -199,6 +237,9 @@ def _multinomial_counts(law_on_cells: dict[tuple, float], total: int, gen) -> di
 WRONG_LAWS = {
     "t1": [dict(temperature=0.9)],
     "t07_k20_p09": [dict(top_p=1.0), dict(temperature=1.0)],
+    # the penalties ignored (a node's path and the output alike); logit_bias and min_p ignored
+    "t1_features": [dict(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0),
+                    dict(logit_bias=None, min_p=0.0)],
 }
 
 
@@ -240,6 +281,9 @@ def test_statistic_is_calibrated_and_rejects_wrong_laws(name, target_law, exact_
         assert abs(sum(law.values()) - 1) < 1e-9, "the enumeration missed part of the support"
         prefixes = sorted({t[:k] for t in law for k in range(3)}, key=len)
         assert target_law.boundary_margin(prefixes, setting) > 2e-5
+    if setting.get("min_p"):
+        prefixes = sorted({t[:k] for t in law for k in range(3)}, key=len)
+        assert target_law.min_p_margin(prefixes, setting) > 2e-5
     for total in [N_PER_SETTING] + ([N_SEEDED] if setting["top_k"] else []):
         big = [t for t, p in law.items() if p * total >= 5]
         assert len(big) >= 10, "too few cells for a meaningful test"
@@ -450,6 +494,11 @@ def test_joint_law_hsd_chain(engines, prompt_ids, exact_laws):
     counts, histogram = run_law_batch(llm, prompt_ids, ["t1"] * N_PER_SETTING)
     assert spec_metrics(llm)["vllm:spec_decode_num_accepted_tokens"] > before
     check_law("t1", counts["t1"], histogram["t1"], exact_laws["t1"], N_PER_SETTING)
+    # request features: their batches verify the sampled chains with the walk (lossless for
+    # any drafts; HSD would read the target law from the raw logits)
+    name = "t1_features"
+    counts, histogram = run_law_batch(llm, prompt_ids, [name] * N_PER_SETTING)
+    check_law(name, counts[name], histogram[name], exact_laws[name], N_PER_SETTING)
 
 
 def test_joint_law_tree_auto_budgets(engines, prompt_ids, exact_laws):

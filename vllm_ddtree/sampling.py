@@ -34,6 +34,7 @@ import bisect
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -336,7 +337,7 @@ def _take(values: torch.Tensor | None, index) -> torch.Tensor | None:
 
 
 def sample_rows(logits: torch.Tensor, rows: RowSampling | None, sample_op: SampleOp,
-                all_random: bool = False) -> torch.Tensor:
+                all_random: bool = False, features: RowFeatures | None = None) -> torch.Tensor:
     """One target token per flat row: ``logits [T, V]`` -> ``[T]`` int64.
 
     Greedy rows: argmax of the raw logits (no copy; skipped when ``all_random`` or when
@@ -345,23 +346,52 @@ def sample_rows(logits: torch.Tensor, rows: RowSampling | None, sample_op: Sampl
     a float32 copy divided by the temperature (the op may update it in place), freed before the
     next one: the extra memory is about what the op costs on one chunk. Seeded rows draw from
     their generator in row order, wherever the chunks fall.
+
+    ``features`` (per-request logits processing, e.g. the plugin's ``TreeFeatures``): every
+    chunk is processed before the temperature (``features.apply``) and after it
+    (``features.after_temperature``), and greedy rows take the argmax of the processed chunk.
     """
-    if rows is None:
-        return logits.argmax(dim=-1)
-    greedy = None if all_random or rows.is_greedy is None else logits.argmax(dim=-1)
+    if features is None:
+        if rows is None:
+            return logits.argmax(dim=-1)
+        greedy = None if all_random or rows.is_greedy is None else logits.argmax(dim=-1)
+    else:
+        greedy = None if rows is not None and (all_random or rows.is_greedy is None) else []
     num_rows, vocab = logits.shape
     parts = []
     for start, end in row_chunks(num_rows, vocab):
-        chunk = torch.div(logits[start:end], rows.temperature[start:end, None])  # [c, V] float32
         part = slice(start, end)
+        if features is None:
+            chunk = torch.div(logits[part], rows.temperature[part, None])  # [c, V] float32
+        else:
+            row_ids = cached_arange(num_rows, logits.device)[part]
+            chunk = features.apply(logits[part].to(torch.float32, copy=True), row_ids)
+            if greedy is not None:
+                greedy.append(chunk.argmax(dim=-1))
+            if rows is None:
+                continue
+            chunk = features.after_temperature(chunk.div_(rows.temperature[part, None]), row_ids)
         tokens, _ = sample_op(chunk, rows.generators_in(start, end), _take(rows.top_k, part),
                               _take(rows.top_p, part))
         parts.append(tokens)
         del chunk, tokens  # before the next chunk's copy
+    if isinstance(greedy, list):
+        greedy = torch.cat(greedy) if greedy else None
+        if rows is None:
+            return greedy if greedy is not None else logits.new_empty(0, dtype=torch.int64)
     if not parts:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
     sampled = (parts[0] if len(parts) == 1 else torch.cat(parts)).long()
     return sampled if greedy is None else torch.where(rows.is_greedy, greedy, sampled)
+
+
+class RowFeatures(Protocol):
+    """Per-row logits processing for :func:`sample_rows` (``logits [c, V]`` float32 of the flat
+    rows ``row_ids [c]``, updated in place and returned)."""
+
+    def apply(self, logits: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def after_temperature(self, logits: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor: ...
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,13 +13,18 @@ every symbol the plugin relies on must be as ``versions.REQUIREMENTS`` describes
    request (not budget + 1): reserve depth + 1 lookahead K/V slots and (0.32) depth drafter
    slots of the token budget, so a step verifies as many requests as the budget holds (0.33
    charges the drafter pass nothing and caps the running requests by the lookahead itself).
-4. ``SamplingParams._validate_spec_decode``: reject per request what still assumes chains.
+4. ``SamplingParams._validate_spec_decode``: reject per request what ddtree cannot serve yet
+   (``thinking_token_budget``); ``min_p`` and ``logit_bias``, which vLLM refuses under
+   speculative decoding, are served (``GPUModelRunner.__init__`` below).
 4b. ``Scheduler.__init__``: no placeholder drafts for newly scheduled one-token requests (vLLM
    pads them to num_speculative_tokens -1 drafts to keep one CUDA graph shape: B wasted rows
    that are not a proposal). ``Scheduler.schedule``: the step's clock stamp
    (``SchedulerOutput.ddtree_clock``), the only time the "auto" policy reads, so that every
    tensor-parallel rank decides alike (``ranks.py``).
-5. ``GPUModelRunner.__init__``: install the tree proposer, the tree sampler and the state;
+5. ``GPUModelRunner.__init__``: install the tree proposer, the tree sampler and the state, and
+   give the input batch vLLM's built-in logits processors (min_tokens, logit_bias, min_p: vLLM
+   builds only min_tokens under speculative decoding), which the tree sampler applies to every
+   tree row (``features.py``);
    ``GPUModelRunner.initialize_kv_cache``: refuse attention layers the tree kernels cannot
    compute (``support.py``), build the K/V compactor once the caches exist and compile the
    Triton kernels (engine start, not mid-serving).
@@ -357,43 +362,18 @@ def _wrap_draft_slots(original):
 def _wrap_validate_spec_decode(original):
     @functools.wraps(original)
     def validate(self, speculative_config):
-        original(self, speculative_config)
         if getattr(speculative_config, "ddtree_options", None) is None:
-            return
-        from vllm.exceptions import VLLMValidationError
+            return original(self, speculative_config)
+        # ddtree serves min_p and logit_bias (vLLM's check refuses them for every method)
+        if getattr(self, "thinking_token_budget", None) is not None:
+            from vllm.exceptions import VLLMValidationError
 
-        problems = _chain_only_features(self)
-        if problems:
             raise VLLMValidationError(
-                f"ddtree speculative decoding does not support {', '.join(problems)} yet; "
-                "remove them from the request (or serve without ddtree)"
-            )
+                "ddtree speculative decoding does not support thinking_token_budget yet; "
+                "remove it from the request (or serve without ddtree)",
+                parameter="thinking_token_budget", value=self.thinking_token_budget)
 
     return validate
-
-
-def _chain_only_features(params) -> list[str]:
-    problems = []
-    if params.logprobs is not None:
-        problems.append("logprobs")
-    if getattr(params, "logprob_token_ids", None) is not None:  # sample logprobs of given ids
-        problems.append("logprob_token_ids")
-    if (params.presence_penalty or params.frequency_penalty
-            or (params.repetition_penalty is not None and params.repetition_penalty != 1.0)):
-        problems.append("presence/frequency/repetition penalties")
-    if params.bad_words:
-        problems.append("bad_words")
-    if params.min_tokens:
-        problems.append("min_tokens")
-    if params.structured_outputs is not None:
-        problems.append("structured outputs (guided decoding / response_format)")
-    if params.allowed_token_ids:
-        problems.append("allowed_token_ids")
-    if getattr(params, "logits_processors", None):
-        problems.append("logits_processors")
-    if getattr(params, "thinking_token_budget", None) is not None:
-        problems.append("thinking_token_budget")
-    return problems
 
 
 # 4b. the scheduler's step clock ----------------------------------------------------------------
@@ -446,10 +426,16 @@ def _wrap_runner_init(original):
         options = ddtree_options(vllm_config)
         if options is None or not getattr(self, "speculative_config", None):
             return
+        from vllm.utils.torch_utils import PIN_MEMORY
+        from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, LogitsProcessors
+
         from vllm_ddtree.plugin.proposer import DDTreeProposer
         from vllm_ddtree.plugin.sampler import TreeRejectionSampler
         from vllm_ddtree.plugin.state import TreeState
 
+        # (custom processors never get here: vLLM refuses them with speculative decoding)
+        self.input_batch.logitsprocs = LogitsProcessors(
+            ctor(vllm_config, self.device, PIN_MEMORY) for ctor in BUILTIN_LOGITS_PROCESSORS)
         state = TreeState(options, self.device, self.max_num_reqs)
         self.ddtree_state = state
         self.ddtree_compactor = None  # built by initialize_kv_cache
@@ -592,8 +578,11 @@ def _wrap_sample(original):
             rows, requests = seeded_rows(sampling_metadata, [0] * logits.shape[0])
             seeded = None
             if rows:  # before vLLM's sampler, which scales the logits in place
+                from vllm_ddtree.plugin.features import TreeFeatures
+
                 seeded = sample_seeded(logits, rows, requests, sampling_metadata,
-                                       state.sample_positions)
+                                       state.sample_positions,
+                                       TreeFeatures.without_trees(sampling_metadata, logits))
                 # the generators stay untouched, as in verify steps (hsd_chain draws from them)
                 sampling_metadata = dataclasses.replace(sampling_metadata, generators={})
             output = self.sampler(logits=logits, sampling_metadata=sampling_metadata)

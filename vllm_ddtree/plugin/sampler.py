@@ -17,6 +17,13 @@ vLLM's ``cu_num_sampled_tokens`` (:func:`vllm_ddtree.sampling.verify_rows`). ``h
 chains are verified the same way against their sparse draft law
 (:func:`vllm_ddtree.sampling.hsd_verify_rows`).
 
+Request features (penalties, ``min_tokens``, ``bad_words``, ``allowed_token_ids``,
+``logit_bias``, ``min_p``): every row is processed as vLLM's sampler processes a row whose
+history is the request's output plus the row's path (:mod:`vllm_ddtree.plugin.features`), in
+the same chunks, before the greedy argmax and the sampling op. Logprobs: vLLM's sample logprobs
+of the emitted tokens, computed from the rows the walk emitted them from
+(:meth:`TreeRejectionSampler.emitted_logprobs`).
+
 Seeded requests (``SamplingParams.seed``): every token of a seeded request, in verify steps
 and in steps without drafts alike, is drawn with noise that is a function of the request's seed
 and of the token's position (:func:`sample_seeded`), never from a stream of draws. A tree
@@ -38,14 +45,17 @@ import itertools
 
 import torch
 from torch import nn
-from vllm.v1.outputs import SamplerOutput
+from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+from vllm.v1.sample.sampler import Sampler
 
+from vllm_ddtree.plugin.features import TreeFeatures
 from vllm_ddtree.plugin.state import TreeState, to_device
 from vllm_ddtree.sampling import (
     PLACEHOLDER_TOKEN_ID,
     RowSampling,
     SamplingBatch,
+    cached_arange,
     hsd_verify_rows,
     keyed_exponential,
     row_chunks,
@@ -69,15 +79,17 @@ def seeded_rows(sampling_metadata, num_draft: list[int]) -> tuple[list[int], lis
 
 
 def sample_seeded(logits: torch.Tensor, rows: list[int], requests: list[int], sampling_metadata,
-                  positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  positions: torch.Tensor | None, features=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens of the seeded requests' flat ``rows`` of ``logits [T, V]``, each drawn from its
     request's processed law (temperature, then vLLM's top-k / top-p) by the exponential race
     with :func:`~vllm_ddtree.sampling.keyed_exponential` noise: a function of the request's seed
     and the position of the token (``positions [T]``: of the token each row predicts). So a
     seeded request's text depends on its seed and prompt only: not on its drafts, on the
     budget policy's choices, on what it is batched with, or on the tensor-parallel rank. No
-    host synchronisation; one :func:`row_chunks` chunk of rows at a time. Returns the rows
-    (device) and their tokens, for ``index_copy_``."""
+    host synchronisation; one :func:`row_chunks` chunk of rows at a time. ``features``: the
+    step's :class:`~vllm_ddtree.plugin.features.TreeFeatures` (request features, processed
+    before the temperature and after it, as vLLM does). Returns the rows (device) and their
+    tokens, for ``index_copy_``."""
     if positions is None:
         raise RuntimeError("ddtree: seeded rows without their positions (TreeState."
                            "sample_positions is set by the runner's _prepare_inputs)")
@@ -95,7 +107,12 @@ def sample_seeded(logits: torch.Tensor, rows: list[int], requests: list[int], sa
     tokens = []
     for start, end in row_chunks(len(rows), vocab):
         part = slice(start, end)
-        chunk = logits.index_select(0, row_index[part]).float() / temperature[part, None]
+        chunk = logits.index_select(0, row_index[part]).float()
+        if features is not None:
+            chunk = features.apply(chunk, row_index[part])
+        chunk = chunk.div_(temperature[part, None])
+        if features is not None:
+            chunk = features.after_temperature(chunk, row_index[part])
         chunk = apply_top_k_top_p(chunk, None if top_k is None else top_k[part],
                                   None if top_p is None else top_p[part])
         noise = keyed_exponential(keys[part], positions.index_select(0, row_index[part]), vocab)
@@ -119,15 +136,13 @@ def sampling_batch(sampling_metadata) -> SamplingBatch | None:
 class TreeRejectionSampler(nn.Module):
     def __init__(self, state: TreeState, target_sampler=None):
         """``target_sampler``: the runner's vLLM ``Sampler`` (its top-k/top-p op samples the
-        verify rows); None builds a default ``TopKTopPSampler``."""
+        verify rows, its ``logprobs_mode`` and logprob gathering serve logprobs); None builds a
+        default ``Sampler``."""
         super().__init__()
         self.ddtree_state = state
-        if target_sampler is None:
-            from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
-
-            self.topk_topp_sampler = TopKTopPSampler()
-        else:
-            self.topk_topp_sampler = target_sampler.topk_topp_sampler
+        self.vllm_sampler = Sampler() if target_sampler is None else target_sampler
+        self.topk_topp_sampler = self.vllm_sampler.topk_topp_sampler
+        self.logprobs_mode = self.vllm_sampler.logprobs_mode
 
     def forward(self, metadata, draft_probs, logits: torch.Tensor, sampling_metadata) -> SamplerOutput:
         state = self.ddtree_state
@@ -158,11 +173,14 @@ class TreeRejectionSampler(nn.Module):
         rows = None if sampling is None else RowSampling.expand(
             dataclasses.replace(sampling, generators=None), metadata.cu_num_sampled_tokens,
             num_draft, logits.shape[1], all_random=all_random, top_k_in_range=True)
-        sampled = sample_rows(logits, rows, self.topk_topp_sampler, all_random=all_random)
+        features = TreeFeatures.build(sampling_metadata, tree, metadata.cu_num_sampled_tokens,
+                                      logits.shape)
+        sampled = sample_rows(logits, rows, self.topk_topp_sampler, all_random=all_random,
+                              features=features)
         seeded, requests = seeded_rows(sampling_metadata, num_draft)
         if seeded:  # drawn again with their own noise (sample_seeded)
             sampled.index_copy_(0, *sample_seeded(logits, seeded, requests, sampling_metadata,
-                                                  state.sample_positions))
+                                                  state.sample_positions, features))
         rows_index = None
         if len(set(num_draft)) == 1:  # request r owns rows r (width + 1) .. (r + 1)(width + 1) - 1
             verdict = walk(tree, sampled.reshape(len(num_draft), width + 1))
@@ -176,7 +194,9 @@ class TreeRejectionSampler(nn.Module):
         out[:, :keep] = verdict.output_tokens[:, :keep]
         state.verdict = verdict
         if (state.options.mode == "hsd_chain" and verify.draft_law is not None
-                and width == state.budget and sampling is not None):
+                and width == state.budget and sampling is not None and features is None):
+            # (with request features the walk verifies the chains: lossless for any drafts;
+            # HSD reads the target law from the raw logits)
             # Sampled chains: HSD where the drafts are the proposal at full length; the walk
             # (above) for placeholder or truncated rows, and for greedy requests (argmax chains
             # with a point-mass law, where HSD is the walk). Chains need no K/V compaction.
@@ -195,4 +215,60 @@ class TreeRejectionSampler(nn.Module):
             state.verdict = None
         if dummy:  # no tree left behind for a later dummy forward's attention to read
             state.verify = None
-        return SamplerOutput(sampled_token_ids=out.to(torch.int32), logprobs_tensors=None)
+        logprobs = None
+        if sampling_metadata.max_num_logprobs is not None or sampling_metadata.logprob_token_ids:
+            # the rows that emitted each output token: the walk's path (HSD chains: in order)
+            emitted = verdict.accepted_rows
+            if state.verdict is None:  # hsd_chain: the verdict above was replaced by HSD's
+                emitted = torch.where(use_hsd[:, None], cached_arange(emitted.shape[1],
+                                                                      emitted.device), emitted)
+            logprobs = self.emitted_logprobs(logits, metadata.cu_num_sampled_tokens, emitted,
+                                             out, sampling_metadata, rows, features)
+        return SamplerOutput(sampled_token_ids=out.to(torch.int32), logprobs_tensors=logprobs)
+
+    def emitted_logprobs(self, logits: torch.Tensor, cu_num_rows: torch.Tensor,
+                         emitted: torch.Tensor, out: torch.Tensor, sampling_metadata,
+                         rows: RowSampling | None, features) -> LogprobsTensors:
+        """vLLM's sample logprobs of the emitted tokens ``out [R, S]`` (-1 past the last), from
+        the rows that emitted them (``emitted [R, L + 1]``: query rows of each request, -1 past
+        the last): each token's logprob and rank and the top ``max_num_logprobs`` of its row, in
+        the engine's ``logprobs_mode``, laid out as vLLM's ``parse_output`` filters them
+        (``[R * S, N + 1]``). Only the rows that can emit are processed (``R (L + 1)``, not the
+        ``R (B + 1)`` verify rows); the other columns are zeros, filtered out by vLLM."""
+        num_reqs, width = out.shape
+        keep = min(width, emitted.shape[1])
+        ends = cu_num_rows.long()
+        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+        flat = torch.minimum(starts[:, None] + emitted[:, :keep].clamp(min=0),
+                             ends[:, None] - 1).reshape(-1)  # [R * keep] flat rows
+        tokens = out[:, :keep].reshape(-1).long().clamp(min=0)
+        mode = self.logprobs_mode
+        values = logits.index_select(0, flat).float()
+        if mode in ("processed_logits", "processed_logprobs"):
+            if features is not None:
+                values = features.apply(values, flat)
+            if rows is not None:  # as vLLM's sampler: the temperature (1 on greedy rows),
+                values = values.div_(rows.temperature[flat, None])  # min_p, top-k / top-p
+                if features is not None:
+                    values = features.after_temperature(values, flat)
+                values = apply_top_k_top_p(values, None if rows.top_k is None else rows.top_k[flat],
+                                           None if rows.top_p is None else rows.top_p[flat])
+        if mode in ("raw_logprobs", "processed_logprobs"):
+            values = values.log_softmax(dim=-1)
+        if sampling_metadata.logprob_token_ids:  # given ids win over the top-N, as in vLLM
+            got = self.vllm_sampler.gather_specific_token_logprobs(values, {
+                r * keep + j: ids for r, ids in sampling_metadata.logprob_token_ids.items()
+                for j in range(keep)}, tokens)
+        else:
+            got = Sampler.gather_logprobs(values, sampling_metadata.max_num_logprobs, tokens)
+        if keep == width:
+            return got
+        return LogprobsTensors(*(_pad_columns(t, num_reqs, keep, width) for t in got[:3]))
+
+
+def _pad_columns(values: torch.Tensor, num_reqs: int, keep: int, width: int) -> torch.Tensor:
+    """``[R * keep, ...]`` -> ``[R * width, ...]``, zeros in the new columns."""
+    shaped = values.view(num_reqs, keep, *values.shape[1:])
+    padded = shaped.new_zeros(num_reqs, width, *values.shape[1:])
+    padded[:, :keep] = shaped
+    return padded.view(num_reqs * width, *values.shape[1:])

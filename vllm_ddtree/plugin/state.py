@@ -228,6 +228,7 @@ class TreeState:
         self._unmatched = torch.zeros((), dtype=torch.int64, device=device)
         self._unmatched_reported = 0
         self.check_ranks = False  # compare each step's plan across TP ranks (ranks.py)
+        self._logged_without_trees = False  # the log line of _without_trees, once
         self.last_num_draft: list[int] = []  # m_r of the latest verify step, host
         # What the drafter does at the end of the step in flight (plan_step): "draft",
         # "context" (its context pass only) or "cold" (nothing).
@@ -402,7 +403,7 @@ class TreeState:
         budgeted = []  # real nodes per request, before the cut near the end
         for req_id, ids in zip(req_ids, drafts):
             row = rows.get(req_id)
-            if row is None or depths is None:
+            if row is None or depths is None or self._without_trees(requests.get(req_id)):
                 ids.clear()
                 continue
             node_depths = depths[row, : len(ids)].tolist()
@@ -422,6 +423,20 @@ class TreeState:
             # inference tensors (written during the step), so update them inside it
             with torch.inference_mode():
                 self._reindex_proposals(kept)
+
+    def _without_trees(self, request) -> bool:
+        """Whether ``request`` is served without drafts: it uses a feature trees do not serve
+        yet (structured outputs: vLLM's grammar checks and bitmasks follow chains). Its steps
+        are plain decoding steps inside the batch; the log says why, once."""
+        params = getattr(request, "sampling_params", None)  # None for pooling requests
+        if getattr(params, "structured_outputs", None) is None:
+            return False
+        if not self._logged_without_trees:
+            self._logged_without_trees = True
+            logger.info("ddtree: requests with structured outputs are served without drafts "
+                        "(budget 0) in the same batches; tree drafting for them is not "
+                        "implemented yet")
+        return True
 
     def _usable_depth(self, request, max_model_len: int) -> int:
         """The deepest node a request can still accept in its next verify step (see

@@ -1,0 +1,215 @@
+"""Request features on tree rows (``vllm_ddtree.plugin.features``) against vLLM's own processing
+of one row with an explicit history.
+
+The walk emits a path whose token at each step is the sample of the row it stands on, so the
+law of the emitted text is the product, along the path, of the rows' processed laws: it is
+plain decoding's law exactly when every row's processed logits are plain decoding's after the
+same history (the request's output tokens plus the row's path). That is what this file checks,
+row by row, for every feature at once and each alone, with vLLM's own functions as the oracle
+where they exist (``apply_all_penalties`` and ``_apply_bad_words_single_batch`` on the row's
+explicit history, the built-in processors' rules written out per row otherwise); then the
+sampler's greedy choice and its min_p step. Engine-level identity with plain decoding is in
+``test_vllm_features.py``.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.logits_processor.builtin import (
+    LogitBiasLogitsProcessor,
+    MinPLogitsProcessor,
+    MinTokensLogitsProcessor,
+)
+from vllm.v1.sample.ops.bad_words import _apply_bad_words_single_batch
+from vllm.v1.sample.ops.penalties import apply_all_penalties
+
+from vllm_ddtree.plugin.features import TreeFeatures
+from vllm_ddtree.sampling import RowSampling, SamplingBatch, sample_rows
+from vllm_ddtree.tree import build_tree
+
+VOCAB = 12
+DEVICE = torch.device("cpu")
+
+
+def _step(seed: int, num_draft=(10, 6, 0, 10), depth=4, budget=10):
+    """A verify step: trees built from random draft logits, request r verifies its first
+    ``num_draft[r]`` nodes (a subtree), the flat rows' logits and vLLM-style row offsets."""
+    gen = torch.Generator().manual_seed(seed)
+    num_reqs = len(num_draft)
+    tree = build_tree(torch.randn(num_reqs, depth, VOCAB, generator=gen) * 2, budget)
+    cu = torch.tensor(num_draft).add(1).cumsum(0)
+    logits = torch.randn(int(cu[-1]), VOCAB, generator=gen) * 3
+    return tree, list(num_draft), cu, logits, gen
+
+
+def _metadata(num_reqs: int, gen: torch.Generator, features: set[str]):
+    """vLLM-shaped sampling metadata with the given features on some requests (request 1 has
+    none of them, so rows without a feature are checked too)."""
+    outputs = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (5, 3, 0, 7)][:num_reqs]
+    prompt = torch.randint(0, VOCAB, (num_reqs, 6), generator=gen)
+    prompt[0, 4:] = VOCAB  # padding, as vLLM pads prompts
+    min_tokens = MinTokensLogitsProcessor(None, DEVICE, False)
+    bias = LogitBiasLogitsProcessor(None, DEVICE, False)
+    min_p = MinPLogitsProcessor(types.SimpleNamespace(
+        scheduler_config=types.SimpleNamespace(max_num_seqs=8)), DEVICE, False)
+    meta = types.SimpleNamespace(
+        allowed_token_ids_mask=None, bad_words_token_ids={}, output_token_ids=outputs,
+        no_penalties=True, prompt_token_ids=prompt,
+        presence_penalties=torch.zeros(num_reqs), frequency_penalties=torch.zeros(num_reqs),
+        repetition_penalties=torch.ones(num_reqs),
+        logitsprocs=LogitsProcessors([min_tokens, bias, min_p]))
+    if "allowed" in features:
+        mask = torch.ones(num_reqs, VOCAB, dtype=torch.bool)
+        mask[0, [1, 2, 3, 5, 8]] = False
+        mask[1] = False
+        mask[3, :7] = False
+        meta.allowed_token_ids_mask = mask
+    if "bad_words" in features:
+        # single tokens, pairs and triples whose prefix the trees' paths or the outputs hold
+        out0 = outputs[0]
+        meta.bad_words_token_ids = {0: [[4], [out0[-1], 3], [out0[-2], out0[-1], 7], [2, 9]],
+                                    3: [[1, 1], [6, 6, 6], [0, 5]], 2: [[3, 4]]}
+    if "min_tokens" in features:
+        min_tokens.min_toks = {0: (8, outputs[0], {1, 4}, False),  # 3 more: depths 0..2 masked
+                               3: (9, outputs[3], {0}, False), 2: (2, outputs[2], {5, 6}, False)}
+    if "logit_bias" in features:
+        bias.biases = {0: {3: 5.0, 7: -2.5}, 2: {0: 1.25}, 3: {3: -100.0, 11: 0.5}}
+    if "penalties" in features:
+        meta.no_penalties = False
+        meta.presence_penalties = torch.tensor([0.7, 0.0, 1.1, -0.4])[:num_reqs]
+        meta.frequency_penalties = torch.tensor([0.3, 0.0, -0.2, 0.9])[:num_reqs]
+        meta.repetition_penalties = torch.tensor([1.3, 1.0, 0.8, 1.7])[:num_reqs]
+    if "min_p" in features:
+        min_p.min_p_cpu[:num_reqs] = [0.2, 0.0, 0.5, 0.05][:num_reqs]
+        min_p.min_p_count = 3
+    return meta
+
+
+def _row_history(tree, meta, request: int, node: int) -> list[int]:
+    """The output tokens, then the path root -> node (explicit parent walk)."""
+    path = []
+    while node >= 0:
+        path.append(int(tree.token_ids[request, node]))
+        node = int(tree.parents[request, node])
+    return list(meta.output_token_ids[request]) + path[::-1]
+
+
+def _oracle_row(logits_row, tree, meta, request: int, node: int) -> torch.Tensor:
+    """Plain decoding's processing of one row with its explicit history, in vLLM's order."""
+    x = logits_row.clone()[None]
+    history = _row_history(tree, meta, request, node)
+    depth = len(history) - len(meta.output_token_ids[request])
+    if meta.allowed_token_ids_mask is not None:
+        x.masked_fill_(meta.allowed_token_ids_mask[request], float("-inf"))
+    if request in meta.bad_words_token_ids:
+        _apply_bad_words_single_batch(x[0], meta.bad_words_token_ids[request], history)
+    for processor in meta.logitsprocs.non_argmax_invariant:
+        if isinstance(processor, MinTokensLogitsProcessor):
+            entry = processor.min_toks.get(request)
+            if entry is not None and len(entry[1]) + depth < entry[0]:
+                x[0, sorted(entry[2])] = float("-inf")
+        else:
+            for token, value in processor.biases.get(request, {}).items():
+                x[0, token] += value
+    if not meta.no_penalties:
+        x = apply_all_penalties(x, meta.prompt_token_ids[request:request + 1],
+                                meta.presence_penalties[request:request + 1],
+                                meta.frequency_penalties[request:request + 1],
+                                meta.repetition_penalties[request:request + 1], [history])
+    return x[0]
+
+
+def _rows(num_draft):
+    return [(r, i - 1) for r, m in enumerate(num_draft) for i in range(m + 1)]
+
+
+ALL = {"allowed", "bad_words", "min_tokens", "logit_bias", "penalties", "min_p"}
+
+
+@pytest.mark.parametrize("features", [{f} for f in sorted(ALL - {"min_p"})] + [ALL])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_row_is_processed_as_plain_decoding_after_its_path(features, seed):
+    tree, num_draft, cu, logits, gen = _step(seed)
+    meta = _metadata(len(num_draft), gen, features)
+    built = TreeFeatures.build(meta, tree, cu, tuple(logits.shape))
+    assert built is not None
+    rows = _rows(num_draft)
+    expected = torch.stack([_oracle_row(logits[i], tree, meta, r, n)
+                            for i, (r, n) in enumerate(rows)])
+    # any subset of rows, in any order, in chunks: as the sampler's chunks and seeded rows
+    order = torch.randperm(len(rows), generator=gen)
+    for part in order.split(5):
+        got = built.apply(logits[part].clone(), part)
+        assert torch.equal(got, expected[part]), (features, part.tolist())
+    changed = ~torch.isclose(expected, logits).all(dim=-1)
+    assert changed.any(), "the features changed no row: the check could not fail"
+
+
+def test_paths_matter_rows_of_one_request_differ():
+    """Penalties and bad words depend on the path: rows of the same request with different
+    paths get different processing (a check that ignored paths would pass rows equal)."""
+    tree, num_draft, cu, logits, gen = _step(3)
+    meta = _metadata(len(num_draft), gen, {"penalties"})
+    built = TreeFeatures.build(meta, tree, cu, tuple(logits.shape))
+    same = logits[:1].expand(num_draft[0] + 1, -1).clone()  # request 0's rows, equal logits
+    got = built.apply(same, torch.arange(num_draft[0] + 1))
+    assert len({tuple(row.tolist()) for row in got}) > 1
+
+
+def test_no_features_builds_nothing():
+    tree, num_draft, cu, logits, gen = _step(0)
+    assert TreeFeatures.build(_metadata(len(num_draft), gen, set()), tree, cu,
+                              tuple(logits.shape)) is None
+
+
+def test_min_tokens_keeps_a_structured_row_that_would_be_all_masked():
+    """vLLM's rule for structured-output requests: stop tokens stay when masking them would
+    leave the row at -inf (the grammar allows nothing else)."""
+    tree, num_draft, cu, logits, gen = _step(0)
+    meta = _metadata(len(num_draft), gen, set())
+    processor = meta.logitsprocs.non_argmax_invariant[0]
+    processor.min_toks = {0: (50, meta.output_token_ids[0], {1, 4}, True),
+                          3: (50, meta.output_token_ids[3], {1, 4}, False)}
+    logits[:] = float("-inf")
+    logits[:, [1, 4]] = 2.0  # the grammar allows only the stop tokens
+    logits[1, 6] = 0.5  # except on row 1 (request 0, node 0)
+    built = TreeFeatures.build(meta, tree, cu, tuple(logits.shape))
+    got = built.apply(logits.clone(), torch.arange(logits.shape[0]))
+    request0 = range(num_draft[0] + 1)
+    for row in request0:
+        kept = row != 1
+        assert torch.isfinite(got[row, [1, 4]]).all() == kept, row
+    start3 = int(cu[2])
+    assert torch.isneginf(got[start3:]).all()  # not structured: masked whatever is left
+
+
+def test_sample_rows_greedy_and_min_p_follow_the_processed_rows():
+    tree, num_draft, cu, logits, gen = _step(4)
+    meta = _metadata(len(num_draft), gen, ALL - {"allowed"})  # no row left all -inf
+    built = TreeFeatures.build(meta, tree, cu, tuple(logits.shape))
+    rows = _rows(num_draft)
+    processed = torch.stack([_oracle_row(logits[i], tree, meta, r, n)
+                             for i, (r, n) in enumerate(rows)])
+    assert torch.equal(sample_rows(logits, None, None, features=built), processed.argmax(-1))
+    # min_p after the temperature: tokens below min_p x the top probability are never drawn
+    temperature = torch.tensor([0.7, 1.0, 1.3, 0.9])
+    sampling = SamplingBatch(temperature=temperature, top_k=None, top_p=None)
+    row_sampling = RowSampling.expand(sampling, cu, num_draft, VOCAB, all_random=True)
+    request = torch.tensor([r for r, _ in rows])
+    probs = (processed / temperature[request, None]).softmax(-1)
+    min_p = torch.from_numpy(meta.logitsprocs.argmax_invariant[0].min_p_cpu[:4].copy())
+    allowed = probs >= probs.amax(-1, keepdim=True) * min_p[request, None]
+    seen = torch.zeros_like(allowed)
+
+    def draw(chunk, generators, k, p):
+        return torch.multinomial(chunk.softmax(-1), 1, generator=gen)[:, 0], None
+
+    for _ in range(200):
+        tokens = sample_rows(logits, row_sampling, draw, all_random=True, features=built)
+        seen[torch.arange(len(rows)), tokens] = True
+    assert not (seen & ~allowed).any()
+    assert (allowed.sum(-1) < (probs > 0).sum(-1)).any(), "min_p masked nothing"
