@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from vllm_ddtree.plugin.options import DDTreeOptions
-from vllm_ddtree.plugin.state import TreeState
+from vllm_ddtree.plugin.state import TreeState, best_path
 from vllm_ddtree.tree import _ancestor_mask, build_tree, unpack_mask
 
 DEPTH, BUDGET = 4, 12
@@ -79,6 +79,41 @@ def test_clip_drafts_keeps_the_usable_nodes_in_order():
             old_mask = unpack_mask(tree.ancestor_mask[row:row + 1], BUDGET + 1)[0, old + 1]
             ancestors = {new_of[j - 1] + 1 for j in range(1, BUDGET + 1) if old_mask[j]} | {0}
             assert {j for j in range(BUDGET + 1) if mask[new + 1, j]} == ancestors
+
+
+def test_structured_output_requests_draft_their_most_probable_path():
+    """A request with structured outputs sends its tree's best path as a chain (vLLM checks
+    grammars along chains), cut near its end like any request; the verify step sees that
+    chain. Oracle: the path followed from the root by each node's most probable child, found
+    from the tree's scores."""
+    state, tree = proposed_state()
+    structured = SimpleNamespace(max_tokens=100, structured_outputs=object())
+    requests = {"a": request(2, 5, max_tokens=100), "b": request(2, 5, max_tokens=100),
+                "c": request(2, 5, max_tokens=8)}
+    requests["b"].sampling_params = structured
+    requests["c"].sampling_params = SimpleNamespace(max_tokens=8, structured_outputs=object())
+    drafts = [tree.token_ids[r].tolist() for r in range(3)]
+    state.clip_drafts(["a", "b", "c"], drafts, requests, max_model_len=1000)
+    assert drafts[0] == tree.token_ids[0].tolist()
+    for row, max_depth in ((1, DEPTH), (2, 2)):  # c: 3 more tokens -> depth <= 2
+        path, current = [], -1
+        while len(path) < max_depth:
+            children = [i for i in range(BUDGET) if tree.parents[row, i] == current]
+            if not children:
+                break
+            current = max(children, key=lambda i: tree.scores[row, i].item())
+            path.append(current)
+        assert 2 <= len(path) <= max_depth < BUDGET
+        assert drafts[row] == [tree.token_ids[row, i].item() for i in path]
+    verify = state.begin_verify(["a", "b", "c"], [len(d) for d in drafts],
+                                torch.tensor(sum(drafts, [])), [0, 20, 40], 60)
+    assert verify.matched.tolist() == [True, True, True]
+    for row in (1, 2):
+        m = len(drafts[row])
+        assert verify.tree.parents[row, :m].tolist() == list(range(-1, m - 1))
+        assert verify.tree.depths[row, :m].tolist() == list(range(1, m + 1))
+    assert best_path([-1, -1, 0, 1, 2, 0], 3) == [0, 2, 4]
+    assert best_path([-1, -1, 0, 1, 2, 0], 2) == [0, 2]
 
 
 def test_verify_trees_carry_the_proposals_structure():

@@ -6,7 +6,8 @@ Oracle: the same engine settings without a speculative config, run once over the
 cases. Every case is one request of one ``llm.generate`` call, so requests with different
 features share verify steps (mixed batches). At T = 0: token ids identical, logprobs equal within
 1e-4. Each feature is shown to bite (its output differs from the same prompt without it), so a
-plugin that ignored it would fail. Structured-output requests are served without drafts.
+plugin that ignored it would fail. Structured-output requests draft a chain (their tree's
+best path), which vLLM checks against the grammar.
 
 Two pairs:
 
@@ -267,6 +268,10 @@ ORACLE_CASES = [
          base="greedy"),
     Case("logprobs0", PROMPTS[4], oracle_greedy(logprobs=0)),
     Case("greedy_2", PROMPTS[5], oracle_greedy()),
+    # structured outputs draft their tree's best path as a chain: 'self' repeated is valid
+    Case("regex_self", PROMPTS[1], SamplingParams(
+        temperature=0.0, max_tokens=ORACLE_MAX_TOKENS,
+        structured_outputs=StructuredOutputsParams(regex=r"(self)+"))),
 ]
 ORACLE_NAMES = [c.name for c in ORACLE_CASES]
 ORACLE_BY_NAME = {c.name: c for c in ORACLE_CASES}
@@ -315,11 +320,17 @@ def oracle_ddtree(oracle_target):
         features = [c for c in ORACLE_CASES if not c.name.startswith("greedy")]
         again = _generate(llm, features)
         after = spec_metrics(llm)
+        structured = _generate(llm, [ORACLE_BY_NAME["regex_self"]])
+        last = spec_metrics(llm)
     finally:
         close(llm)
-    delta = {k: ([a - b for a, b in zip(after[k], before[k])] if isinstance(after[k], list)
-                 else after[k] - before[k]) for k in after}
-    return {"cases": got, "again": again, "metrics": before, "features_metrics": delta}
+
+    def delta(new, old):
+        return {k: ([a - b for a, b in zip(new[k], old[k])] if isinstance(new[k], list)
+                    else new[k] - old[k]) for k in new}
+
+    return {"cases": got, "again": {**again, **structured}, "metrics": before,
+            "features_metrics": delta(after, before), "structured_metrics": delta(last, after)}
 
 
 def test_oracle_premises(oracle_plain):
@@ -351,10 +362,11 @@ def test_oracle_feature_requests_alone_give_the_same_outputs(oracle_ddtree):
         assert _ids(out) == _ids(oracle_ddtree["cases"][name]), name
 
 
-@pytest.mark.parametrize("which", ["metrics", "features_metrics"])
+@pytest.mark.parametrize("which", ["metrics", "features_metrics", "structured_metrics"])
 def test_oracle_trees_were_deep(oracle_ddtree, which):
-    """All cases, then the feature requests alone: drafted, and paths of 6 and more tokens
-    accepted (the penalties and masks still let the drafted chain through at some depths)."""
+    """All cases, then the feature requests alone, then the structured-output request alone
+    (its chain of drafts): drafted, and paths of 6 and more tokens accepted (the penalties and
+    masks still let the drafted chain through at some depths)."""
     m = oracle_ddtree[which]
     per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
     print(f"{which}: mean acceptance length {mean_acceptance_length(m):.2f}, "

@@ -100,6 +100,23 @@ def chain_parents(num_rows: int, width: int, device: torch.device) -> torch.Tens
     return (torch.arange(width, device=device) - 1).expand(num_rows, width)
 
 
+def best_path(parents: list[int], max_depth: int) -> list[int]:
+    """The nodes of a tree's most probable root-to-leaf path, at most ``max_depth`` of them.
+
+    Nodes are best-first (a higher prefix probability first, parents before children), so the
+    first child of a node in index order is its most probable one. Example: parents
+    [-1, -1, 0, 1, 2, 0] -> [0, 2, 4] (with max_depth 2: [0, 2]).
+    """
+    path, current = [], -1
+    for node, parent in enumerate(parents):
+        if len(path) >= max_depth:
+            break
+        if parent == current:
+            path.append(node)
+            current = node
+    return path
+
+
 class ProposalStore:
     """Each request's latest proposal, kept on the device until it is verified or replaced.
 
@@ -211,10 +228,11 @@ class TreeState:
         self.proposals = ProposalStore(max_num_reqs, device, empty={
             "nodes": self._padding_node, "scores": float("-inf"), "mask": pad_mask})
         self.budgets = BudgetController(options, device)
-        # The latest proposal's node depths on the host, {req_id: row} -> [R, B] int16, for
-        # clip_drafts (copied with vLLM's own draft copy, read after vLLM waits for it).
+        # The latest proposal's node parents and depths on the host, {req_id: row} ->
+        # [R, 2, B] int16, for clip_drafts (copied with vLLM's own draft copy, read after vLLM
+        # waits for it).
         self._latest_rows: dict[str, int] = {}
-        self._latest_depths: torch.Tensor | None = None
+        self._latest_nodes: torch.Tensor | None = None
         self._latest_law_names: tuple[str, ...] = ()
         self.verify: VerifyBatch | None = None
         self.chain_positions: torch.Tensor | None = None  # [T] positions before the depth shift
@@ -228,7 +246,7 @@ class TreeState:
         self._unmatched = torch.zeros((), dtype=torch.int64, device=device)
         self._unmatched_reported = 0
         self.check_ranks = False  # compare each step's plan across TP ranks (ranks.py)
-        self._logged_without_trees = False  # the log line of _without_trees, once
+        self._logged_chain_only = False  # the log line of _chain_only, once
         self.last_num_draft: list[int] = []  # m_r of the latest verify step, host
         # What the drafter does at the end of the step in flight (plan_step): "draft",
         # "context" (its context pass only) or "cold" (nothing).
@@ -300,7 +318,7 @@ class TreeState:
         self._latest_rows = {req_id: row for row, req_id in enumerate(req_ids)}
         # Queued before vLLM's own copy of the draft ids, whose event vLLM waits on before it
         # reads them: read in clip_drafts after that wait, so this adds no synchronisation.
-        self._latest_depths = tree.depths.to(torch.int16).to("cpu", non_blocking=True)
+        self._latest_nodes = nodes[:, 1:].to(torch.int16).to("cpu", non_blocking=True)
 
     def plan_step(self, req_ids: list[str]) -> str:
         """What the drafter does at the end of this step (decided before its forward, kept in
@@ -371,7 +389,7 @@ class TreeState:
         matched again (the scheduler cleared their drafts when it scheduled them). Requests
         that were not scheduled in this step keep theirs: the scheduler still holds their
         drafts and verifies them when it schedules them."""
-        self._latest_depths, self._latest_rows = None, {}
+        self._latest_nodes, self._latest_rows = None, {}
         self.proposals.drop(req_ids)
         if self.budgets.drafts_sent([], [0] * len(req_ids)):
             self.report_unmatched()
@@ -396,23 +414,28 @@ class TreeState:
         fit the drafter) send no drafts and lose any older proposal, so that it can never be
         matched against drafts it did not produce.
         """
-        depths, self._latest_depths = self._latest_depths, None  # a proposal is clipped once
+        nodes, self._latest_nodes = self._latest_nodes, None  # a proposal is clipped once
         rows, self._latest_rows = self._latest_rows, {}
         self.proposals.drop([req_id for req_id in req_ids if req_id not in rows])
         kept: dict[str, list[int]] = {}
         budgeted = []  # real nodes per request, before the cut near the end
         for req_id, ids in zip(req_ids, drafts):
             row = rows.get(req_id)
-            if row is None or depths is None or self._without_trees(requests.get(req_id)):
+            if row is None or nodes is None:
                 ids.clear()
                 continue
-            node_depths = depths[row, : len(ids)].tolist()
+            node_depths = nodes[row, 1, : len(ids)].tolist()
             real = sum(1 for d in node_depths if d > 0)  # real nodes come first
             del ids[real:]
             budgeted.append(real)
-            useful = self._usable_depth(requests.get(req_id), max_model_len)
-            if useful < self.depth:
+            request = requests.get(req_id)
+            useful = self._usable_depth(request, max_model_len)
+            keep = None
+            if self._chain_only(request):
+                keep = best_path(nodes[row, 0, :real].tolist(), useful)
+            elif useful < self.depth:
                 keep = [i for i, d in enumerate(node_depths) if 0 < d <= useful]
+            if keep is not None:
                 ids[:] = [ids[i] for i in keep]
                 kept[req_id] = keep
             self.proposals.sent[req_id] = list(ids)  # a copy: the scheduler owns the list
@@ -424,18 +447,19 @@ class TreeState:
             with torch.inference_mode():
                 self._reindex_proposals(kept)
 
-    def _without_trees(self, request) -> bool:
-        """Whether ``request`` is served without drafts: it uses a feature trees do not serve
-        yet (structured outputs: vLLM's grammar checks and bitmasks follow chains). Its steps
-        are plain decoding steps inside the batch; the log says why, once."""
+    def _chain_only(self, request) -> bool:
+        """Whether ``request`` drafts a chain, its tree's most probable path (:func:`best_path`),
+        instead of the tree: structured outputs, whose grammar vLLM's scheduler checks along
+        the drafts as a chain (``validate_tokens`` keeps the grammar-valid prefix) and whose
+        bitmask rows follow it (one grammar state per draft position). The log says so once."""
         params = getattr(request, "sampling_params", None)  # None for pooling requests
         if getattr(params, "structured_outputs", None) is None:
             return False
-        if not self._logged_without_trees:
-            self._logged_without_trees = True
-            logger.info("ddtree: requests with structured outputs are served without drafts "
-                        "(budget 0) in the same batches; tree drafting for them is not "
-                        "implemented yet")
+        if not self._logged_chain_only:
+            self._logged_chain_only = True
+            logger.info("ddtree: requests with structured outputs draft their tree's most "
+                        "probable path as a chain (vLLM's grammar checks follow chains); "
+                        "branching trees for them are not implemented yet")
         return True
 
     def _usable_depth(self, request, max_model_len: int) -> int:
