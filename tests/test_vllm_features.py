@@ -320,8 +320,10 @@ def oracle_ddtree(oracle_target):
         features = [c for c in ORACLE_CASES if not c.name.startswith("greedy")]
         again = _generate(llm, features)
         after = spec_metrics(llm)
-        structured = _generate(llm, [ORACLE_BY_NAME["regex_self"]])
-        last = spec_metrics(llm)
+        alone, marks = {}, [after]
+        for name in ("regex_self", "allowed_ids"):  # their own drafts, alone in the engine
+            alone[name] = _generate(llm, [ORACLE_BY_NAME[name]])[name]
+            marks.append(spec_metrics(llm))
     finally:
         close(llm)
 
@@ -329,8 +331,10 @@ def oracle_ddtree(oracle_target):
         return {k: ([a - b for a, b in zip(new[k], old[k])] if isinstance(new[k], list)
                     else new[k] - old[k]) for k in new}
 
-    return {"cases": got, "again": {**again, **structured}, "metrics": before,
-            "features_metrics": delta(after, before), "structured_metrics": delta(last, after)}
+    return {"cases": got, "again": {**again, "regex_self": alone["regex_self"]},
+            "metrics": before, "features_metrics": delta(after, before),
+            "structured_metrics": delta(marks[1], marks[0]),
+            "allowed_metrics": delta(marks[2], marks[1])}
 
 
 def test_oracle_premises(oracle_plain):
@@ -362,11 +366,14 @@ def test_oracle_feature_requests_alone_give_the_same_outputs(oracle_ddtree):
         assert _ids(out) == _ids(oracle_ddtree["cases"][name]), name
 
 
-@pytest.mark.parametrize("which", ["metrics", "features_metrics", "structured_metrics"])
+@pytest.mark.parametrize("which", ["metrics", "features_metrics", "structured_metrics",
+                                   "allowed_metrics"])
 def test_oracle_trees_were_deep(oracle_ddtree, which):
     """All cases, then the feature requests alone, then the structured-output request alone
-    (its chain of drafts): drafted, and paths of 6 and more tokens accepted (the penalties and
-    masks still let the drafted chain through at some depths)."""
+    (its chain of drafts), then the allowed-ids request alone (the drafter drafts allowed
+    tokens only: its favourite, 'self', is not allowed, and without the mask every step would
+    accept nothing): drafted, and paths of 6 and more tokens accepted (the penalties and masks
+    still let the drafted chain through at some depths)."""
     m = oracle_ddtree[which]
     per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
     print(f"{which}: mean acceptance length {mean_acceptance_length(m):.2f}, "

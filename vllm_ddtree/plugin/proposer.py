@@ -216,6 +216,9 @@ class DDTreeProposer(DFlashProposer):
         logits = self.model.compute_logits(hidden_states)  # [R * L, V]
         num_reqs = logits.shape[0] // depth
         logits = logits.view(num_reqs, depth, -1)
+        allowed = getattr(sampling_metadata, "allowed_token_ids_mask", None)  # True: banned
+        if allowed is not None:  # never draft a token the request does not allow
+            logits = logits.masked_fill(allowed[:num_reqs, None, :], float("-inf"))
         if self.ddtree_state.options.mode == "hsd_chain":
             self._pending_tree, self._pending_probs = self._sample_chain(logits, sampling_metadata)
         else:
