@@ -17,11 +17,12 @@ from sync_checker import HostSyncError, NoHostSync, no_host_sync
 from vllm_utils import PROMPTS, close, ddtree_spec, ddtree_state, make_llm
 
 from vllm import SamplingParams
+from vllm.sampling_params import StructuredOutputsParams
 from vllm_ddtree.plugin.state import TreeState
 
 PER_STEP_FILES = tuple(f"vllm_ddtree/{name}.py" for name in (
     "plugin/patches", "plugin/state", "plugin/sampler", "plugin/proposer", "plugin/compaction",
-    "plugin/cuda_attention", "tree", "walk", "sampling")) + ("kernels/compact_kv.py",
+    "plugin/cuda_attention", "plugin/features", "tree", "walk", "sampling")) + ("kernels/compact_kv.py",
                                                              "kernels/tree_attention.py")
 HOST_READS = {  # (file, function): why the tensor it reads is a host copy vLLM made for it
     ("plugin/state.py", "clip_drafts"): "node depths copied with vLLM's draft copy, read after "
@@ -93,7 +94,26 @@ MIXED = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
          SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=40, ignore_eos=True)]
 
 
+# request features on tree rows (features.py) and logprobs of the emitted rows
+FEATURES = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2,
+                           presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2),
+            SamplingParams(temperature=0.7, max_tokens=40, min_tokens=30, stop_token_ids=[202],
+                           bad_words=["self", " in range"], logit_bias={13: 1.5}, min_p=0.05),
+            SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                           allowed_token_ids=list(range(100, 400))),
+            SamplingParams(temperature=0.9, seed=5, max_tokens=40, ignore_eos=True,
+                           frequency_penalty=0.5, logprobs=1),
+            SamplingParams(temperature=0.0, max_tokens=40,
+                           structured_outputs=StructuredOutputsParams(regex=r"[a-z ]{10,60}"))]
+
+
 class TestTreeEngine:
+    def test_steps_with_request_features_have_no_host_sync_in_plugin_code(self, tree_engine):
+        checker = NoHostSync(scope=PER_STEP_FILES, allowed_reads=HOST_READS,
+                             allowed_uploads=UPLOADS)
+        _run_checked_steps(tree_engine, FEATURES + MIXED[:2], checker)
+        assert checker.num_checked > 100, "the checker saw no plugin code"
+
     def test_engine_steps_have_no_host_sync_in_plugin_code(self, tree_engine):
         checker = NoHostSync(scope=PER_STEP_FILES, allowed_reads=HOST_READS,
                              allowed_uploads=UPLOADS)

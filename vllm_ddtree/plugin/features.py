@@ -30,8 +30,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from vllm_ddtree.plugin.state import to_device
 from vllm_ddtree.sampling import cached_arange
 from vllm_ddtree.tree import DraftTree, unpack_mask
 
@@ -134,15 +136,14 @@ class TreeFeatures:
         width = max(longest - 1, 1)
         prefixes = [list(reversed(word[:-1])) + [NO_TOKEN] * (width - len(word) + 1)
                     for _, word in words]
-        table = torch.tensor([[r, word[-1], len(word) - 1, *prefix]
-                              for (r, word), prefix in zip(words, prefixes)], dtype=torch.int64)
-        table = table.to(self.device, non_blocking=True)
+        table = to_device([[r, word[-1], len(word) - 1, *prefix]
+                           for (r, word), prefix in zip(words, prefixes)], torch.int64, self.device)
         self.bad_words = (table[:, 0], table[:, 1], table[:, 2], table[:, 3:])
         tails = [[NO_TOKEN] * width for _ in range(num_reqs)]
         for r in {r for r, _ in words}:
             tail = list(reversed(outputs[r][-width:]))
             tails[r][: len(tail)] = tail
-        self.output_tail = torch.tensor(tails, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.output_tail = to_device(tails, torch.int64, self.device)
 
     def _set_penalties(self, sampling_metadata, outputs, num_reqs: int, vocab: int):
         from vllm.model_executor.layers.utils import get_token_bin_counts_and_mask
@@ -150,13 +151,13 @@ class TreeFeatures:
         _, prompt_mask = get_token_bin_counts_and_mask(
             sampling_metadata.prompt_token_ids[:num_reqs], vocab, num_reqs)
         longest = max((len(out) for out in outputs[:num_reqs]), default=0)
-        padded = torch.full((num_reqs, max(longest, 1)), vocab, dtype=torch.int64)
+        padded = np.full((num_reqs, max(longest, 1)), vocab, dtype=np.int64)
         for r, out in enumerate(outputs[:num_reqs]):
-            if out:
-                padded[r, : len(out)] = torch.tensor(out)
-        padded.masked_fill_(padded == -1, vocab)  # async placeholders, as vLLM does
+            padded[r, : len(out)] = out
+        padded[padded == -1] = vocab  # async placeholders, as vLLM does
+        padded = to_device(padded, torch.int64, self.device)
         counts = torch.zeros(num_reqs, vocab + 1, dtype=torch.int64, device=self.device)
-        counts.scatter_add_(1, padded.to(self.device), torch.ones_like(padded, device=self.device))
+        counts.scatter_add_(1, padded, torch.ones_like(padded))
         self.penalties = (prompt_mask, counts,
                           sampling_metadata.presence_penalties[:num_reqs],
                           sampling_metadata.frequency_penalties[:num_reqs],
@@ -268,17 +269,17 @@ def _processor_entry(processor, num_reqs: int, device: torch.device):
                    if r < num_reqs and len(out) < min_tok for tok in sorted(stops)]
         if not entries:
             return None
-        table = torch.tensor([e[:3] for e in entries], dtype=torch.int64).to(device)
-        restore = torch.tensor([e[3] for e in entries] if any(e[3] for e in entries) else [],
-                               dtype=torch.bool).to(device)
+        table = to_device([e[:3] for e in entries], torch.int64, device)
+        restore = to_device([e[3] for e in entries] if any(e[3] for e in entries) else [],
+                            torch.bool, device)
         return "min_tokens", (table[:, 0], table[:, 1], table[:, 2], restore)
     if isinstance(processor, LogitBiasLogitsProcessor):
         entries = [(r, tok, bias) for r, biases in sorted(processor.biases.items())
                    if r < num_reqs for tok, bias in biases.items()]
         if not entries:
             return None
-        index = torch.tensor([e[:2] for e in entries], dtype=torch.int64).to(device)
-        bias = torch.tensor([e[2] for e in entries], dtype=torch.float32).to(device)
+        index = to_device([e[:2] for e in entries], torch.int64, device)
+        bias = to_device([e[2] for e in entries], torch.float32, device)
         return "logit_bias", (index[:, 0], index[:, 1], bias)
     raise RuntimeError(f"ddtree: unknown logits processor {type(processor).__name__} "
                        "(vLLM refuses custom logits processors with speculative decoding)")
@@ -291,4 +292,4 @@ def _min_p(processor, num_reqs: int, device: torch.device) -> torch.Tensor | Non
         raise RuntimeError(f"ddtree: unknown logits processor {type(processor).__name__}")
     if not processor.min_p_count:
         return None
-    return torch.from_numpy(processor.min_p_cpu[:num_reqs].copy()).to(device)
+    return to_device(processor.min_p_cpu[:num_reqs].copy(), torch.float32, device)
