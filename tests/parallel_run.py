@@ -18,12 +18,18 @@ from vllm_utils import PROMPTS as _TINY_PROMPTS  # this folder is the script's s
 PROMPTS = [*_TINY_PROMPTS, "def parse_args(argv):\n    parser = argparse.ArgumentParser(",
            "    return self."]
 SEEDED = dict(temperature=0.8, top_p=0.9, top_k=50)
+FEATURES = [dict(presence_penalty=0.8, frequency_penalty=0.4, repetition_penalty=1.2, logprobs=2),
+            dict(bad_words=["self", " in"], ignore_eos=True),
+            dict(min_tokens=48, stop_token_ids=[202, 286]),
+            dict(allowed_token_ids=list(range(150, 420)), ignore_eos=True),
+            dict(logit_bias={202: -50.0, 286: 3.0}, ignore_eos=True)]
 
 
 def jobs(max_tokens: int, short: bool = False):
     """(name, prompts, per-prompt sampling kwargs) in run order. ``greedy``: every prompt at
     T = 0 (twice, the second time in reverse order); ``mixed``: even prompts greedy, odd ones
-    seeded at T = 0.8, all in one batch; ``alone`` and ``pairs``: the seeded prompts again, each
+    seeded at T = 0.8, all in one batch; ``features``: every prompt at T = 0 with one of
+    ``FEATURES`` (penalties, bad words, min_tokens, allowed ids, logit_bias); ``alone`` and ``pairs``: the seeded prompts again, each
     alone, then in other company (the same seeds must give the same text). ``short``: without
     the reversed greedy pass and the runs alone (a second policy on the same layout)."""
     common = dict(max_tokens=max_tokens, ignore_eos=True)
@@ -37,9 +43,13 @@ def jobs(max_tokens: int, short: bool = False):
     def mixed(i):
         return greedy(i) if i % 2 == 0 else seeded(i)
 
+    def features(i):  # request features on tree rows (features.py), greedy, 64 tokens
+        return dict(FEATURES[i % len(FEATURES)], max_tokens=64, temperature=0.0)
+
     everyone = list(range(len(PROMPTS)))
     odd = everyone[1::2]
     yield "greedy", everyone, greedy
+    yield "features", everyone, features
     if not short:
         yield "greedy_reversed", everyone[::-1], greedy
     yield "mixed", everyone, mixed

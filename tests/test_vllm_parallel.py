@@ -8,7 +8,8 @@ is killed and the test fails as a hang, well before two minutes; vLLM's own step
 below it as well.
 
 Oracles: greedy decoding without speculation at TP = 1 (8 prompts x 256 tokens, token for
-token), and for seeded requests at T = 0.8 the same seeds on another engine (ddtree at TP = 1
+token, and 64 tokens each with request features: penalties, bad words, min_tokens, allowed ids,
+logit_bias), and for seeded requests at T = 0.8 the same seeds on another engine (ddtree at TP = 1
 with the default policy): a seeded request's text must not depend on its company, on the
 policy's choices or on the ranks. Rows verified as chains because their drafts were not a
 proposal must be zero on every rank.
@@ -82,7 +83,7 @@ def run_engine(tmp_path, tp: int, spec: dict | None, short: bool = False, **env)
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
     """Greedy decoding without speculation at TP = 1: the greedy oracle."""
-    return run_engine(tmp_path_factory.mktemp("plain"), 1, None, short=True)["outputs"]["greedy"]
+    return run_engine(tmp_path_factory.mktemp("plain"), 1, None, short=True)["outputs"]
 
 
 @pytest.fixture(scope="module")
@@ -98,12 +99,15 @@ def check_run(result: dict, plain: dict | None, seeded: dict | None = None) -> N
     outputs = result["outputs"]
     assert result["unmatched_rows_per_rank"] == [0] * len(result["unmatched_rows_per_rank"])
     if plain is not None:
+        greedy = plain["greedy"]
         for job in ("greedy", "greedy_reversed"):
-            for i, ids in plain.items() if job in outputs else ():
+            for i, ids in greedy.items() if job in outputs else ():
                 assert outputs[job][i] == ids, f"{job}: prompt {i} differs from plain decoding"
+        for i, ids in plain["features"].items():
+            assert outputs["features"][i] == ids, f"features: prompt {i} differs from plain"
         for i in range(0, len(PROMPTS), 2):  # greedy requests batched with seeded ones
-            assert outputs["mixed"][str(i)] == plain[str(i)], f"mixed: prompt {i}"
-            assert outputs["pairs"].get(str(i), plain[str(i)]) == plain[str(i)], f"pairs: {i}"
+            assert outputs["mixed"][str(i)] == greedy[str(i)], f"mixed: prompt {i}"
+            assert outputs["pairs"].get(str(i), greedy[str(i)]) == greedy[str(i)], f"pairs: {i}"
     for i in SEEDED_PROMPTS:
         mine = outputs["mixed"][str(i)]
         assert len(mine) == MAX_TOKENS
@@ -167,7 +171,7 @@ def test_dp2_server_default_policy(tmp_path, plain, seeded):
             answers = list(pool.map(ask, list(range(len(PROMPTS))) * 2))
         print(f"{len(answers)} requests in {time.time() - start:.0f} s")
         for i, ids in answers:
-            want = seeded[i] if i in SEEDED_PROMPTS else plain[str(i)]
+            want = seeded[i] if i in SEEDED_PROMPTS else plain["greedy"][str(i)]
             assert ids == want, f"prompt {i} differs"
         assert proc.poll() is None, demo.tail(log_path, 60)
     finally:
