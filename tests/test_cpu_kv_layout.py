@@ -3,7 +3,7 @@
 Oracle: vLLM's own writer, ``ops.cpu_attn_reshape_and_cache``, for every kernel ISA this machine
 runs (``vec`` and ``vec16`` everywhere on x86; ``amx`` for bf16 where the CPU has AMX tiles).
 Writing through ``CPUKVLayout.index`` must leave the cache byte-identical to vLLM's writer,
-``read`` must return what vLLM wrote, and ``compact_cpu_kv`` must equal re-writing the moved
+``read`` must return what vLLM wrote, and ``copy_cpu_slots`` must equal re-writing the moved
 tokens with vLLM's writer, for overlapping moves too.
 """
 
@@ -13,7 +13,7 @@ import torch
 from vllm_ddtree.kernels import masked_attention_ref
 from vllm_ddtree.plugin.cpu_attention import (
     _write_with_vllm,
-    compact_cpu_kv,
+    copy_cpu_slots,
     cpu_kv_layout,
     slot_maps,
     tree_attention_info,
@@ -83,9 +83,8 @@ def test_compaction_equals_rewriting_the_moved_tokens(isa, dtype, bs, nkv, d):
     moved_k[rows_dst], moved_v[rows_dst] = k[rows_src], v[rows_src]
     expect = _write_with_vllm(isa, dtype, num_blocks, bs, nkv, d, moved_k, moved_v, span)
     cache = before.clone()
-    src = torch.cat([span[rows_src], torch.tensor([-1])])  # -1: skipped
-    dst = torch.cat([span[rows_dst], torch.tensor([-1])])
-    compact_cpu_kv([cache, before], isa, src, dst)  # two layers, one call
+    slots = torch.stack((span[rows_src], span[rows_dst]))  # (skipped pairs: the compactor test)
+    copy_cpu_slots([cpu_kv_layout(c, isa) for c in (cache, before)], slots)  # two layers
     assert torch.equal(cache, expect) and torch.equal(before, expect)
 
 

@@ -335,16 +335,3 @@ def copy_cpu_slots(layouts: list[CPUKVLayout], slots: torch.Tensor) -> None:
         if index is None:
             index = flat_index[id(layout.offsets)] = layout.flat_index(slots)
         layout.flat[index[1]] = layout.flat[index[0]]
-
-
-def compact_cpu_kv(kv_caches: list[torch.Tensor], isa: str, src_slots: torch.Tensor,
-                   dst_slots: torch.Tensor) -> None:
-    """Copy slot src[n] -> dst[n] in every CPU-layout layer cache written for ``isa``; pairs
-    with a -1 on either side are skipped (turned into :data:`NULL_SLOT` self-copies, see
-    :func:`copy_cpu_slots`, which :class:`KVCompactor` calls with its step's slots directly).
-
-    All sources are read before any write, so overlapping moves are safe.
-    """
-    slots = torch.stack((src_slots, dst_slots))  # [2, n]
-    slots.masked_fill_(slots.amin(0) < 0, NULL_SLOT)
-    copy_cpu_slots([cpu_kv_layout(cache, isa) for cache in kv_caches], slots)
