@@ -140,8 +140,12 @@ def ddtree():
         # the seeded request: once in a batch of feature requests, once alone
         mixed = llm.generate(PROMPTS[:4] + [B], [greedy(logprobs=1)] * 4 + [SEEDED], use_tqdm=False)
         alone = llm.generate([B], SEEDED, use_tqdm=False)
+        # seeded requests draw their tokens again, in prefill steps too: logprobs of those
+        sole = llm.generate(PROMPTS, [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=32,
+                                                     ignore_eos=True, logprobs=0)
+                                      for i in range(len(PROMPTS))], use_tqdm=False)
         return {"cases": got, "seeded": [mixed[-1].outputs[0], alone[0].outputs[0]],
-                "metrics": spec_metrics(llm)}
+                "seeded_sole": [o.outputs[0] for o in sole], "metrics": spec_metrics(llm)}
     finally:
         close(llm)
 
@@ -230,6 +234,17 @@ def test_seeded_sampling_with_features_is_reproducible(ddtree):
         assert len(out.logprobs) == MAX_TOKENS
         assert all(t in lp and 2 <= len(lp) <= 3 for t, lp in zip(out.token_ids, out.logprobs))
     assert _ids(mixed) == _ids(alone) and mixed.text == alone.text
+
+
+def test_seeded_logprobs_are_those_of_the_emitted_tokens(ddtree):
+    """logprobs=0: each position reports exactly the emitted token, in steps with drafts and
+    in steps without (prefill: vLLM's sampler draws a token the seeded noise then replaces;
+    before the fix 5 of 192 positions reported vLLM's token)."""
+    for out in ddtree["seeded_sole"]:
+        assert len(out.logprobs) == len(out.token_ids) == 32
+        for pos, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+            assert set(lp) == {token}, (pos, token, lp)
+            assert lp[token].logprob <= 0.0
 
 
 # ---- the always-right pair, deep trees --------------------------------------------------------

@@ -576,13 +576,17 @@ def _wrap_sample(original):
 
             sampling_metadata = self.input_batch.sampling_metadata
             rows, requests = seeded_rows(sampling_metadata, [0] * logits.shape[0])
-            seeded = None
+            seeded = logprobs = None
             if rows:  # before vLLM's sampler, which scales the logits in place
                 from vllm_ddtree.plugin.features import TreeFeatures
 
+                features = TreeFeatures.without_trees(sampling_metadata, logits)
                 seeded = sample_seeded(logits, rows, requests, sampling_metadata,
-                                       state.sample_positions,
-                                       TreeFeatures.without_trees(sampling_metadata, logits))
+                                       state.sample_positions, features)
+                if (sampling_metadata.max_num_logprobs is not None
+                        or sampling_metadata.logprob_token_ids):  # of the tokens emitted
+                    logprobs = self.rejection_sampler.seeded_logprobs(
+                        logits, *seeded, requests, sampling_metadata, features)
                 # the generators stay untouched, as in verify steps (hsd_chain draws from them)
                 sampling_metadata = dataclasses.replace(sampling_metadata, generators={})
             output = self.sampler(logits=logits, sampling_metadata=sampling_metadata)
@@ -590,6 +594,8 @@ def _wrap_sample(original):
                 row_index, tokens = seeded
                 output.sampled_token_ids[:, 0].index_copy_(
                     0, row_index, tokens.to(output.sampled_token_ids.dtype))
+                if logprobs is not None:
+                    self.rejection_sampler.fix_seeded_logprobs(output, row_index, logprobs)
             return output
         output = original(self, logits, spec_decode_metadata)
         if state is None or state.verdict is None:

@@ -231,10 +231,9 @@ class TreeRejectionSampler(nn.Module):
                          rows: RowSampling | None, features) -> LogprobsTensors:
         """vLLM's sample logprobs of the emitted tokens ``out [R, S]`` (-1 past the last), from
         the rows that emitted them (``emitted [R, L + 1]``: query rows of each request, -1 past
-        the last): each token's logprob and rank and the top ``max_num_logprobs`` of its row, in
-        the engine's ``logprobs_mode``, laid out as vLLM's ``parse_output`` filters them
-        (``[R * S, N + 1]``). Only the rows that can emit are processed (``R (L + 1)``, not the
-        ``R (B + 1)`` verify rows); the other columns are zeros, filtered out by vLLM."""
+        the last), laid out as vLLM's ``parse_output`` filters them (``[R * S, N + 1]``). Only
+        the rows that can emit are read (``R (L + 1)``, not the ``R (B + 1)`` verify rows); the
+        other columns are zeros, filtered out by vLLM."""
         num_reqs, width = out.shape
         keep = min(width, emitted.shape[1])
         ends = cu_num_rows.long()
@@ -242,28 +241,72 @@ class TreeRejectionSampler(nn.Module):
         flat = torch.minimum(starts[:, None] + emitted[:, :keep].clamp(min=0),
                              ends[:, None] - 1).reshape(-1)  # [R * keep] flat rows
         tokens = out[:, :keep].reshape(-1).long().clamp(min=0)
-        mode = self.logprobs_mode
-        values = logits.index_select(0, flat).float()
-        if mode in ("processed_logits", "processed_logprobs"):
-            if features is not None:
-                values = features.apply(values, flat)
-            if rows is not None:  # as vLLM's sampler: the temperature (1 on greedy rows),
-                values = values.div_(rows.temperature[flat, None])  # min_p, top-k / top-p
-                if features is not None:
-                    values = features.after_temperature(values, flat)
-                values = apply_top_k_top_p(values, None if rows.top_k is None else rows.top_k[flat],
-                                           None if rows.top_p is None else rows.top_p[flat])
-        if mode in ("raw_logprobs", "processed_logprobs"):
-            values = values.log_softmax(dim=-1)
-        if sampling_metadata.logprob_token_ids:  # given ids win over the top-N, as in vLLM
-            got = self.vllm_sampler.gather_specific_token_logprobs(values, {
-                r * keep + j: ids for r, ids in sampling_metadata.logprob_token_ids.items()
-                for j in range(keep)}, tokens)
-        else:
-            got = Sampler.gather_logprobs(values, sampling_metadata.max_num_logprobs, tokens)
+        got = self.row_logprobs(logits.index_select(0, flat).float(), flat, tokens,
+                                [r for r in range(num_reqs) for _ in range(keep)],
+                                sampling_metadata, rows, features)
         if keep == width:
             return got
         return LogprobsTensors(*(_pad_columns(t, num_reqs, keep, width) for t in got[:3]))
+
+    def row_logprobs(self, values: torch.Tensor, flat_rows: torch.Tensor, tokens: torch.Tensor,
+                     requests: list[int], sampling_metadata, rows: RowSampling | None,
+                     features) -> LogprobsTensors:
+        """vLLM's sample logprobs of ``tokens [n]``: each token's logprob and rank and the top
+        ``max_num_logprobs`` of its row (or the request's ``logprob_token_ids``), in the
+        engine's ``logprobs_mode``. ``values [n, V]``: a float32 copy of the raw logits of the
+        flat rows ``flat_rows [n]`` (processed in place in the processed modes), which belong
+        to the requests ``requests`` (host)."""
+        mode = self.logprobs_mode
+        if mode in ("processed_logits", "processed_logprobs"):
+            if features is not None:
+                values = features.apply(values, flat_rows)
+            if rows is not None:  # as vLLM's sampler: the temperature (1 on greedy rows),
+                values = values.div_(rows.temperature[flat_rows, None])  # min_p, top-k / p
+                if features is not None:
+                    values = features.after_temperature(values, flat_rows)
+                values = apply_top_k_top_p(
+                    values, None if rows.top_k is None else rows.top_k[flat_rows],
+                    None if rows.top_p is None else rows.top_p[flat_rows])
+        if mode in ("raw_logprobs", "processed_logprobs"):
+            values = values.log_softmax(dim=-1)
+        given = sampling_metadata.logprob_token_ids
+        if given:  # given ids win over the top-N, as in vLLM
+            return self.vllm_sampler.gather_specific_token_logprobs(
+                values, {i: given[r] for i, r in enumerate(requests) if r in given}, tokens)
+        return Sampler.gather_logprobs(values, sampling_metadata.max_num_logprobs, tokens)
+
+    @staticmethod
+    def fix_seeded_logprobs(output, row_index: torch.Tensor, fix: LogprobsTensors) -> None:
+        """A step without drafts: vLLM's sampler returned the logprobs of its own tokens, and
+        the seeded requests' tokens were drawn again (:func:`sample_seeded`); their rows
+        ``row_index`` of ``output.logprobs_tensors`` get ``fix``, the logprobs of the tokens
+        they emit (:meth:`seeded_logprobs`, computed before vLLM's sampler scaled the logits
+        in place)."""
+        target = output.logprobs_tensors
+        for have, new in zip(target[:3], fix[:3]):
+            if have.dim() == 1:
+                have[row_index] = new.to(have.dtype)
+                continue
+            columns = new.shape[1]
+            have[row_index, :columns] = new.to(have.dtype)
+            if columns < have.shape[1]:  # given ids: vLLM pads the shorter lists
+                pad = float("-inf") if have.is_floating_point() else 0
+                have[row_index, columns:] = pad
+
+    def seeded_logprobs(self, logits: torch.Tensor, row_index: torch.Tensor,
+                        tokens: torch.Tensor, requests: list[int], sampling_metadata,
+                        features) -> LogprobsTensors:
+        """The logprobs of the seeded rows' tokens in a step without drafts (one row per
+        request), from the raw logits before vLLM's sampler modifies them."""
+        sampling = sampling_batch(sampling_metadata)
+        num_reqs = logits.shape[0]
+        rows = None if sampling is None else RowSampling.expand(
+            dataclasses.replace(sampling, generators=None),
+            cached_arange(num_reqs + 1, logits.device)[1:], [0] * num_reqs, logits.shape[1],
+            all_random=bool(getattr(sampling_metadata, "all_random", False)),
+            top_k_in_range=True)
+        return self.row_logprobs(logits.index_select(0, row_index).float(), row_index,
+                                 tokens.long(), requests, sampling_metadata, rows, features)
 
 
 def _pad_columns(values: torch.Tensor, num_reqs: int, keep: int, width: int) -> torch.Tensor:
