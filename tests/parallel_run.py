@@ -28,8 +28,9 @@ FEATURES = [dict(presence_penalty=0.8, frequency_penalty=0.4, repetition_penalty
 def jobs(max_tokens: int, short: bool = False):
     """(name, prompts, per-prompt sampling kwargs) in run order. ``greedy``: every prompt at
     T = 0 (twice, the second time in reverse order); ``mixed``: even prompts greedy, odd ones
-    seeded at T = 0.8, all in one batch; ``features``: every prompt at T = 0 with one of
-    ``FEATURES`` (penalties, bad words, min_tokens, allowed ids, logit_bias); ``alone`` and ``pairs``: the seeded prompts again, each
+    seeded at T = 0.8, all in one batch; ``features`` (short runs): every prompt at T = 0 with
+    one of ``FEATURES`` (penalties, bad words, min_tokens, allowed ids, logit_bias); ``alone``
+    and ``pairs``: the seeded prompts again, each
     alone, then in other company (the same seeds must give the same text). ``short``: without
     the reversed greedy pass and the runs alone (a second policy on the same layout)."""
     common = dict(max_tokens=max_tokens, ignore_eos=True)
@@ -49,7 +50,8 @@ def jobs(max_tokens: int, short: bool = False):
     everyone = list(range(len(PROMPTS)))
     odd = everyone[1::2]
     yield "greedy", everyone, greedy
-    yield "features", everyone, features
+    if short:
+        yield "features", everyone, features
     if not short:
         yield "greedy_reversed", everyone[::-1], greedy
     yield "mixed", everyone, mixed

@@ -8,8 +8,8 @@ is killed and the test fails as a hang, well before two minutes; vLLM's own step
 below it as well.
 
 Oracles: greedy decoding without speculation at TP = 1 (8 prompts x 256 tokens, token for
-token, and 64 tokens each with request features: penalties, bad words, min_tokens, allowed ids,
-logit_bias), and for seeded requests at T = 0.8 the same seeds on another engine (ddtree at TP = 1
+token; at TP = 2 with the static policy also 64 tokens each with request features: penalties,
+bad words, min_tokens, allowed ids, logit_bias), and for seeded requests at T = 0.8 the same seeds on another engine (ddtree at TP = 1
 with the default policy): a seeded request's text must not depend on its company, on the
 policy's choices or on the ranks. Rows verified as chains because their drafts were not a
 proposal must be zero on every rank.
@@ -103,7 +103,7 @@ def check_run(result: dict, plain: dict | None, seeded: dict | None = None) -> N
         for job in ("greedy", "greedy_reversed"):
             for i, ids in greedy.items() if job in outputs else ():
                 assert outputs[job][i] == ids, f"{job}: prompt {i} differs from plain decoding"
-        for i, ids in plain["features"].items():
+        for i, ids in plain["features"].items() if "features" in outputs else ():
             assert outputs["features"][i] == ids, f"features: prompt {i} differs from plain"
         for i in range(0, len(PROMPTS), 2):  # greedy requests batched with seeded ones
             assert outputs["mixed"][str(i)] == greedy[str(i)], f"mixed: prompt {i}"
@@ -125,7 +125,7 @@ def test_tp2_default_policy(tmp_path, plain, seeded):
 
 
 def test_tp2_static(tmp_path, plain, seeded):
-    """TP = 2 with "static" (trees in every step); the short job list."""
+    """TP = 2 with "static" (trees in every step); the short job list, with request features."""
     result = run_engine(tmp_path, 2, ddtree(ddtree_budget_policy="static"), short=True)
     check_run(result, plain, seeded)
 
