@@ -500,10 +500,10 @@ class TreeState:
                                   -1)
         kept_nodes = torch.stack([kept_nodes[:, 0], new_parents, kept_nodes[:, 2]], dim=1)
         store.set_rows("nodes", slots, torch.where(valid[:, None], kept_nodes, self._padding_node))
-        # kept nodes are shallower than L: pointer jumping over L - 1 levels rebuilds their
-        # ancestor rows (padding nodes hang off the root)
+        # pointer jumping over L levels rebuilds their ancestor rows (a structured request's
+        # best path keeps up to L nodes; padding nodes hang off the root)
         store.set_rows("mask", slots, _ancestor_mask(torch.where(valid, new_parents, -1),
-                                                     self.depth - 1))
+                                                     self.depth))
         store.set_rows("scores", slots, torch.where(valid, store.rows("scores", slots).gather(
             1, index), float("-inf")))
         # hsd_chain draft laws need no re-indexing: a chain keeps a prefix of its nodes
