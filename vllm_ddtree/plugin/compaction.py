@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_ddtree.kernels import KVCacheTable, compact_kv
+from vllm_ddtree.kernels.native import cpu_ops
 
 
 @dataclass
@@ -35,6 +36,8 @@ class CacheGroup:
     caches: list[torch.Tensor]  # one per distinct layer cache, [nb, nkv, bs, 2 * head_dim]
     table: object | None = None  # CUDA: the group's KVCacheTable (pointer table), built once
     layouts: list | None = None  # CPU: one CPUKVLayout per cache, built once
+    # CPU, fused kernel: (flat caches, offsets, slot stride) per distinct slot layout
+    native: list | None = None
 
 
 def kv_views(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,6 +105,12 @@ class KVCompactor:
                 from vllm_ddtree.plugin.cpu_attention import cpu_kv_layout  # vLLM's CPU ops
 
                 group.layouts = [cpu_kv_layout(cache, group.isa) for cache in group.caches]
+                shared: dict[int, tuple] = {}  # caches of one slot layout: one native call
+                for layout in group.layouts:
+                    entry = shared.setdefault(id(layout.offsets), (
+                        [], layout.offsets.contiguous(), layout.slot_stride))
+                    entry[0].append(layout.flat)
+                group.native = list(shared.values())
 
     def compact(self, src_rows: torch.Tensor, dst_rows: torch.Tensor, num_tokens: int) -> None:
         """Copy query row ``src_rows[n]``'s K/V to query row ``dst_rows[n]``'s slot (a ``-1``
@@ -110,15 +119,23 @@ class KVCompactor:
 
         Example: rows 44 -> 42 with group 0's slot mapping [.., 42: 1030, .., 44: 1032, ..]
         copies slot 1032 to slot 1030 in each layer of group 0. A skipped pair becomes slots
-        (-1, -1) for ``compact_kv`` on CUDA, and a self-copy of the null block's slot on the
-        CPU (:func:`~vllm_ddtree.plugin.cpu_attention.copy_cpu_slots`).
+        (-1, -1) for ``compact_kv`` on CUDA; the fused CPU kernel skips it (its torch twin,
+        :func:`~vllm_ddtree.plugin.cpu_attention.copy_cpu_slots`, copies the null block's slot
+        onto itself).
         """
-        skip = torch.minimum(src_rows, dst_rows) < 0  # [n]
+        skip = None
         block_tables = self._runner.input_batch.block_table
         for group in self.groups:
             # query row -> K/V slot of this group (each group has its own block table); a -1
             # row reads the last row's slot, replaced just below
             slot_mapping = block_tables[group.group_id].slot_mapping.gpu[:num_tokens]
+            if group.table is None and (ops := cpu_ops(slot_mapping.device)) is not None:
+                # the fused CPU kernel: every cache of a slot layout in one op
+                for flats, offsets, slot_stride in group.native:
+                    ops.copy_slots_(flats, offsets, slot_stride, slot_mapping, src_rows, dst_rows)
+                continue
+            if skip is None:
+                skip = torch.minimum(src_rows, dst_rows) < 0  # [n]
             if group.table is not None:
                 # a tensor per side, not two views of one: the kernel's compile key holds
                 # each pointer's 16-byte alignment

@@ -8,7 +8,10 @@ reference (:func:`vllm_ddtree.kernels.masked_attention_ref`) over the committed 
 the request's ancestor-only span, both read from the paged cache. The root row is causal
 already. The slots and masks of a step are built once (:func:`tree_attention_info`, in the
 metadata builder); each layer then runs two gathers, one batched attention over all requests
-and one scatter.
+and one scatter. With the fused CPU kernels (``vllm_ddtree.kernels.native``) both are one op:
+``tree_attention_info`` from the packed ancestor rows, and ``tree_attention_`` per layer,
+which reads K/V in place through the layout's offsets and writes the node rows (the torch
+path above is its oracle in tests/test_native.py).
 
 CPU K/V layout (one tensor per layer, ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``):
 each (block, head) holds a K half and a V half of ``block_size * head_dim`` elements, whose
@@ -32,6 +35,8 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadata,
     CPUAttentionMetadataBuilder,
 )
+
+from vllm_ddtree.kernels.native import cpu_ops
 
 
 @dataclass
@@ -272,8 +277,16 @@ class DDTreeCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         ]
         if not requests:
             return meta
-        info = tree_attention_info(verify.tree.dense_mask(), requests, meta.seq_lens.tolist(),
-                                   meta.block_table, self.kv_cache_spec.block_size)
+        seq_lens = meta.seq_lens.tolist()
+        ops = cpu_ops(meta.block_table.device)
+        if ops is not None:  # the fused CPU kernel: one op from the packed ancestor rows
+            table = torch.tensor([(r, start, m, seq_lens[r]) for r, start, m in requests])
+            info = TreeAttentionInfo(*ops.tree_attention_info(
+                table, verify.tree.ancestor_mask, meta.block_table,
+                self.kv_cache_spec.block_size))
+        else:
+            info = tree_attention_info(verify.tree.dense_mask(), requests, seq_lens,
+                                       meta.block_table, self.kv_cache_spec.block_size)
         return DDTreeCPUMetadata(**vars(meta), ddtree=info)
 
     def build_for_drafting(self, common_attn_metadata, draft_index: int):
@@ -291,13 +304,22 @@ class DDTreeCPUImpl(CPUAttentionBackendImpl):
         info = getattr(attn_metadata, "ddtree", None)
         if info is None:
             return output
+        head_dim = kv_cache.shape[3] // 2
+        out = output.view(output.shape[0], -1, head_dim)
+        ops = cpu_ops(kv_cache.device)
+        if ops is not None:  # the fused CPU kernel: the node rows read the paged cache in place
+            layout = cpu_kv_layout(kv_cache, layer.isa)
+            ops.tree_attention_(out, query.view(query.shape[0], -1, head_dim), layout.flat,
+                                layout.offsets, layout.slot_stride, info.rows, info.valid,
+                                info.slots, info.mask, self.scale,
+                                layer.isa == "amx" and query.dtype == torch.bfloat16)
+            return output
         where = (layer.isa, kv_cache.dtype, tuple(kv_cache.shape[1:]))
         index = info.flat_index.get(where)
         if index is None:
             index = info.flat_index[where] = cpu_kv_layout(kv_cache, layer.isa).index(info.slots)
         flat = kv_cache.view(-1)
         k, v = flat[index[0]], flat[index[1]]  # [n, s, nkv, D]
-        out = output.view(output.shape[0], -1, kv_cache.shape[3] // 2)
         rows = tree_rows_attention(query[info.rows], k, v, info.mask, self.scale, layer.isa)
         out[info.rows[info.valid]] = rows[info.valid].to(out.dtype)
         return output

@@ -603,13 +603,13 @@ def _wrap_sample(original):
         from vllm_ddtree.plugin.sampler import sampling_batch
 
         src_rows, dst_rows = state.finish_verify(state.verdict)
-        sampling = sampling_batch(self.input_batch.sampling_metadata)
-        sampled = None if sampling is None else ~sampling.is_greedy
-        state.budgets.observe_verify(state.verify.tree, state.verdict.num_accepted,
-                                     state.verify.matched, sampled)
+        if state.budgets.calibration is not None:  # auto: the step's outcome calibrates it
+            sampling = sampling_batch(self.input_batch.sampling_metadata)
+            sampled = None if sampling is None else ~sampling.is_greedy
+            state.budgets.observe_verify(state.verify.tree, state.verdict.num_accepted,
+                                         state.verify.matched, sampled)
         if self.ddtree_compactor is not None:
             self.ddtree_compactor.compact(src_rows, dst_rows, state.verify.num_tokens)
-        state.count_compacted(src_rows)
         state.verify = None  # a later dummy run must not see this step's trees
         return output
 

@@ -23,6 +23,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from vllm_ddtree.kernels.native import cpu_ops
 from vllm_ddtree.plugin.options import DDTreeOptions
 from vllm_ddtree.plugin.policy import BudgetController
 from vllm_ddtree.sampling import cached_arange
@@ -171,9 +172,8 @@ class ProposalStore:
         self._free = list(range(capacity - 1, self.capacity - 1, -1)) + self._free
         self.capacity = capacity
 
-    def put(self, req_ids: list[str], rows: dict[str, torch.Tensor]) -> None:
-        """Store row r of every tensor in ``rows`` (``[len(req_ids), ...]``) for ``req_ids[r]``,
-        replacing what that request held. Buffers absent from ``rows`` keep stale rows."""
+    def assign(self, req_ids: list[str]) -> list[int]:
+        """The slots that ``req_ids``' new proposals go to (host), allocated where needed."""
         new = [req_id for req_id in dict.fromkeys(req_ids) if req_id not in self._slot_of]
         if len(new) > len(self._free):
             self._grow(len(self._slot_of) + len(new))
@@ -181,13 +181,26 @@ class ProposalStore:
             self._slot_of[req_id] = self._free.pop()
         for req_id in req_ids:  # a new proposal: its drafts are not sent yet
             self.sent.pop(req_id, None)
-        index = to_device(self.slots(req_ids), torch.int64, self.device)
+        return self.slots(req_ids)
+
+    def buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """Buffer ``name`` for rows shaped like ``like[0]`` (made, or remade, if it has other
+        rows)."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape[1:] != like.shape[1:] or buf.dtype != like.dtype:
+            buf = self._buffers[name] = self._new_buffer(name, like, self.capacity)
+        return buf
+
+    def put(self, req_ids: list[str], rows: dict[str, torch.Tensor]) -> None:
+        """Store row r of every tensor in ``rows`` (``[len(req_ids), ...]``) for ``req_ids[r]``,
+        replacing what that request held. Buffers absent from ``rows`` keep stale rows."""
+        index = to_device(self.assign(req_ids), torch.int64, self.device)
         for name, values in rows.items():
-            buf = self._buffers.get(name)
-            if buf is None or buf.shape[1:] != values.shape[1:] or buf.dtype != values.dtype:
-                buf = self._new_buffer(name, values, self.capacity)
-                self._buffers[name] = buf
-            buf.index_copy_(0, index, values)
+            self.buffer(name, values).index_copy_(0, index, values)
+
+    def tree_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The ``nodes``, ``scores`` and ``mask`` buffers (the fused CPU kernels' operands)."""
+        return self._buffers["nodes"], self._buffers["scores"], self._buffers["mask"]
 
     def rows(self, name: str, slots: torch.Tensor) -> torch.Tensor:
         """Rows ``slots`` (device, each a request's slot or :attr:`empty_slot`) of ``name``."""
@@ -264,9 +277,6 @@ class TreeState:
         """K/V slots moved by compaction so far (tests, diagnostics; reading it syncs)."""
         return int(self._compacted)
 
-    def count_compacted(self, src_rows: torch.Tensor) -> None:
-        self._compacted += (src_rows >= 0).sum()
-
     @property
     def num_unmatched_rows(self) -> int:
         """Scheduled requests with drafts that were verified as chains because their drafts
@@ -311,11 +321,22 @@ class TreeState:
         sampled chains the drafter law they were drawn from (tensors with one row per request),
         until each request is verified or proposed for again."""
         law = {f"law{i}": t for i, t in enumerate(draft_law or ())}
+        self._latest_law_names = tuple(law)
+        self._latest_rows = {req_id: row for row, req_id in enumerate(req_ids)}
+        ops = cpu_ops(self.device)
+        if ops is not None and not law:  # the fused CPU kernel: one op
+            store = self.proposals
+            slots = to_device(store.assign(req_ids), torch.int64, self.device)
+            store.buffer("nodes", self._padding_node.new_empty(1, 3, tree.max_budget))
+            store.buffer("scores", tree.scores)
+            store.buffer("mask", tree.ancestor_mask)
+            self._latest_nodes = ops.store_trees_(
+                *store.tree_buffers(), slots, tree.token_ids, tree.parents, tree.depths,
+                tree.scores, tree.ancestor_mask)
+            return
         nodes = torch.stack([tree.token_ids, tree.parents, tree.depths], dim=1)  # [R, 3, B]
         self.proposals.put(req_ids, {"nodes": nodes, "scores": tree.scores,
                                      "mask": tree.ancestor_mask, **law})
-        self._latest_law_names = tuple(law)
-        self._latest_rows = {req_id: row for row, req_id in enumerate(req_ids)}
         # Queued before vLLM's own copy of the draft ids, whose event vLLM waits on before it
         # reads them: read in clip_drafts after that wait, so this adds no synchronisation.
         self._latest_nodes = nodes[:, 1:].to(torch.int16).to("cpu", non_blocking=True)
@@ -479,6 +500,14 @@ class TreeState:
         [-1, 0, -1, -1]."""
         req_ids = list(kept)
         num, width, store = len(req_ids), self.budget, self.proposals
+        ops = cpu_ops(self.device)
+        if ops is not None:  # the fused CPU kernel: one op
+            plan = np.full((num, 1 + width), -1, dtype=np.int64)  # slot, then new -> old node
+            plan[:, 0] = store.slots(req_ids)
+            for i, req_id in enumerate(req_ids):
+                plan[i, 1 : 1 + len(kept[req_id])] = kept[req_id]
+            ops.reindex_trees_(*store.tree_buffers(), to_device(plan, torch.int64, self.device))
+            return
         # host, one upload: the slots, then per request new -> old node, old -> new node (-1:
         # dropped) and whether the new node is real
         host = np.zeros((3, num, width), dtype=np.int64)
@@ -560,8 +589,18 @@ class TreeState:
         uploaded = to_device(np.concatenate(host), torch.int64, device)
         per_request = uploaded[: (len(host) - (token_rows is not None)) * num_rows]
         counts, draft_starts, slots, starts, *exact_rows = per_request.view(-1, num_rows)
-        draft_law = None
-        if exact:
+        draft_law = position_shift = offsets = None
+        ops = cpu_ops(device)
+        if exact and ops is not None and not self._latest_law_names:
+            # the fused CPU kernel: the trees and the position shifts in one op
+            slots, matched = exact_rows[0], exact_rows[1].bool()
+            token_index = uploaded[per_request.numel():]
+            *fields, shift = ops.gather_trees(*store.tree_buffers(), slots, token_index)
+            tree = DraftTree(*fields[:3], scores=fields[3], num_nodes=counts,
+                             ancestor_mask=fields[4], max_depth=depth)
+            if token_rows is not None:
+                position_shift = shift
+        elif exact:
             slots, matched = exact_rows[0], exact_rows[1].bool()
             tree = DraftTree(
                 *store.rows("nodes", slots).unbind(1), scores=store.rows("scores", slots),
@@ -574,8 +613,7 @@ class TreeState:
                 counts, draft_starts, slots, draft_token_ids, node, chain, chain_depths, chain_mask,
                 pad_mask, within_depth)
             offsets = torch.where(tree.depths > 0, tree.depths - chain_depths, 0)
-        position_shift = None
-        if token_rows is not None:  # [R, B + 1] table, root column 0, read per token
+        if token_rows is not None and offsets is not None:  # [R, B + 1], root column 0
             table = torch.nn.functional.pad(offsets, (1, 0)).view(-1)
             position_shift = table[uploaded[per_request.numel():]]
         self.last_num_draft = list(num_draft)
@@ -651,11 +689,17 @@ class TreeState:
         ``start + j`` (its chain slot). Rows that do not move are -1. Example: a request whose
         rows start at 40 with accepted nodes [0, 3, 7] -> src rows [-1, 44, 48], dst rows
         [-1, 42, 43] (node 0 is already in place). The drafter's hidden-state gather index is
-        set from the same pairs (the identity elsewhere).
+        set from the same pairs (the identity elsewhere), and the moves are counted
+        (:attr:`num_compacted_slots`).
         """
         assert self.verify is not None
         self.verdict = verdict
         num_tokens = self.verify.num_tokens
+        ops = cpu_ops(self.device)
+        if ops is not None:  # the fused CPU kernel: one op (the moved slots counted in it)
+            src, dst, self.gather_index = ops.finish_verify(
+                verdict.accepted_rows, self.verify.starts, num_tokens, self._compacted)
+            return src, dst
         rows = verdict.accepted_rows[:, 1:]  # [R, L] query rows within the request, -1 pad
         identity = cached_arange(num_tokens + 1, self.device)  # row T: a sentinel
         depth = cached_arange(rows.shape[1] + 1, self.device)[1:]  # the chain slots 1..L
@@ -666,7 +710,9 @@ class TreeState:
         dst = torch.where(accepted, starts + depth, num_tokens).flatten()
         self.gather_index = identity.clone().scatter_(0, dst, src)[:num_tokens]
         moves = src != dst
-        return torch.where(moves, src, -1), torch.where(moves, dst, -1)
+        src = torch.where(moves, src, -1)
+        self._compacted += (src >= 0).sum()
+        return src, torch.where(moves, dst, -1)
 
     def take_gather_index(self, num_tokens: int) -> torch.Tensor | None:
         index, self.gather_index = self.gather_index, None

@@ -1,0 +1,783 @@
+// Fused CPU kernels of vllm-ddtree: one op per stage of a verify step that the torch path runs
+// as tens of small ops (each a fixed cost on the CPU, a launch on a GPU).
+//
+// Each op has a torch twin in the package, which is its oracle in tests/test_native.py:
+//   build_tree     <- vllm_ddtree.tree (vectorised build) and reference_build_tree (heap)
+//   first_nodes    <- build_tree's per-request budgets (torch path)
+//   walk           <- vllm_ddtree.walk (vectorised walk)
+//   finish_verify  <- TreeState.finish_verify (torch)
+//   copy_slots_    <- vllm_ddtree.plugin.cpu_attention.copy_cpu_slots
+//   store_trees_, gather_trees, reindex_trees_ <- TreeState's proposal store (torch path)
+//   tree_attention_info <- vllm_ddtree.plugin.cpu_attention.tree_attention_info
+//   tree_attention_ <- cpu_attention.tree_rows_attention over the layout's gathers
+// Built on first use by vllm_ddtree.kernels.native (torch.utils.cpp_extension, cached).
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <queue>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+void check_cpu(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "ddtree native op: ", name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), "ddtree native op: ", name, " must be contiguous");
+}
+
+// One heap entry of DDTree's best-first search: the prefix extending `parent` (-1 = the root)
+// with the rank-`rank` token of depth `depth`. Popped in the order of the key
+// (-score, depth, parent, rank), the tie-break of vllm_ddtree.tree.
+struct Entry {
+  float score;
+  int64_t depth;
+  int64_t parent;
+  int64_t rank;
+};
+
+struct Later {  // std::priority_queue pops the largest: "largest" = the latest in key order
+  bool operator()(const Entry& a, const Entry& b) const {
+    if (a.score != b.score) return a.score < b.score;
+    if (a.depth != b.depth) return a.depth > b.depth;
+    if (a.parent != b.parent) return a.parent > b.parent;
+    return a.rank > b.rank;
+  }
+};
+
+// values/ids: [R, L, k] top-k log-probabilities and token ids in any order (torch.topk's);
+// each (request, depth) row is ranked by (value desc, id asc) first. Returns the tree of the
+// `budget` most probable prefixes (fewer when fewer have probability > 0), padded to
+// `max_budget` nodes: token -1, parent -1, depth 0, score -inf, mask row {root, itself}.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> build_tree(
+    const Tensor& values, const Tensor& ids, int64_t budget, int64_t max_budget) {
+  check_cpu(values, "values");
+  check_cpu(ids, "ids");
+  TORCH_CHECK(values.dim() == 3 && values.scalar_type() == at::kFloat,
+              "build_tree: values must be float32 [R, L, k]");
+  TORCH_CHECK(ids.sizes() == values.sizes() && ids.scalar_type() == at::kLong,
+              "build_tree: ids must be int64 with the shape of values");
+  TORCH_CHECK(0 <= budget && budget <= max_budget && max_budget >= 1,
+              "build_tree: need 0 <= budget <= max_budget, max_budget >= 1");
+  const int64_t R = values.size(0), L = values.size(1), K = values.size(2);
+  const int64_t B = max_budget, W = (B + 1 + 31) / 32;
+  auto long_opts = ids.options();
+  Tensor tokens = at::empty({R, B}, long_opts);
+  Tensor parents = at::empty({R, B}, long_opts);
+  Tensor depths = at::empty({R, B}, long_opts);
+  Tensor scores = at::empty({R, B}, values.options());
+  Tensor num_nodes = at::empty({R}, long_opts);
+  Tensor mask = at::empty({R, B + 1, W}, values.options().dtype(at::kInt));
+  const float* val = values.data_ptr<float>();
+  const int64_t* tok = ids.data_ptr<int64_t>();
+  int64_t* out_tok = tokens.data_ptr<int64_t>();
+  int64_t* out_par = parents.data_ptr<int64_t>();
+  int64_t* out_dep = depths.data_ptr<int64_t>();
+  float* out_score = scores.data_ptr<float>();
+  int64_t* out_num = num_nodes.data_ptr<int64_t>();
+  uint32_t* out_mask = reinterpret_cast<uint32_t*>(mask.data_ptr<int32_t>());
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  std::vector<int64_t> order(K);
+  std::vector<float> lp(L * K);      // ranked log-probabilities of one request
+  std::vector<int64_t> lt(L * K);    // their token ids
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t d = 0; d < L; ++d) {
+      const float* v = val + (r * L + d) * K;
+      const int64_t* t = tok + (r * L + d) * K;
+      for (int64_t j = 0; j < K; ++j) order[j] = j;
+      std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+        if (v[a] != v[b]) return v[a] > v[b];
+        return t[a] < t[b];
+      });
+      for (int64_t j = 0; j < K; ++j) {
+        lp[d * K + j] = v[order[j]];
+        lt[d * K + j] = t[order[j]];
+      }
+    }
+    int64_t* rt = out_tok + r * B;
+    int64_t* rp = out_par + r * B;
+    int64_t* rd = out_dep + r * B;
+    float* rs = out_score + r * B;
+    uint32_t* rm = out_mask + r * (B + 1) * W;
+    std::memset(rm, 0, sizeof(uint32_t) * (B + 1) * W);
+    rm[0] = 1u;  // the root's row: the root
+    int64_t n = 0;
+    std::priority_queue<Entry, std::vector<Entry>, Later> heap;
+    if (K > 0 && budget > 0) heap.push(Entry{lp[0], 1, -1, 0});
+    while (!heap.empty() && n < budget) {
+      Entry e = heap.top();
+      heap.pop();
+      if (e.score == neg_inf) break;  // every remaining prefix has probability zero
+      rt[n] = lt[(e.depth - 1) * K + e.rank];
+      rp[n] = e.parent;
+      rd[n] = e.depth;
+      rs[n] = e.score;
+      uint32_t* row = rm + (n + 1) * W;
+      const uint32_t* above = rm + (e.parent + 1) * W;  // the parent's row (the root's: -1)
+      for (int64_t w = 0; w < W; ++w) row[w] = above[w];
+      row[(n + 1) / 32] |= 1u << ((n + 1) % 32);
+      if (e.rank + 1 < K) {  // the next sibling: same parent, next rank
+        float s = lp[(e.depth - 1) * K + e.rank + 1];
+        if (e.parent >= 0) s = rs[e.parent] + s;
+        heap.push(Entry{s, e.depth, e.parent, e.rank + 1});
+      }
+      if (e.depth < L) heap.push(Entry{e.score + lp[e.depth * K], e.depth + 1, n, 0});
+      ++n;
+    }
+    out_num[r] = n;
+    for (int64_t i = n; i < B; ++i) {
+      rt[i] = -1;
+      rp[i] = -1;
+      rd[i] = 0;
+      rs[i] = neg_inf;
+      uint32_t* row = rm + (i + 1) * W;
+      row[0] |= 1u;
+      row[(i + 1) / 32] |= 1u << ((i + 1) % 32);
+    }
+  }
+  return {tokens, parents, depths, scores, num_nodes, mask};
+}
+
+// The trees of the first budgets[r] nodes of request r (a subtree: parents precede their
+// children), the rest padding: new tensors (the inputs are what a budget function saw).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> first_nodes(
+    const Tensor& tokens_in, const Tensor& parents_in, const Tensor& depths_in,
+    const Tensor& scores_in, const Tensor& num_nodes_in, const Tensor& mask_in,
+    const Tensor& budgets) {
+  const Tensor* inputs[] = {&tokens_in, &parents_in, &depths_in, &scores_in, &num_nodes_in,
+                            &mask_in};
+  Tensor outputs[6];
+  for (int i = 0; i < 6; ++i) {
+    check_cpu(*inputs[i], "tree");
+    outputs[i] = at::empty(inputs[i]->sizes(), inputs[i]->options());
+    std::memcpy(outputs[i].data_ptr(), inputs[i]->data_ptr(),
+                inputs[i]->numel() * inputs[i]->element_size());
+  }
+  check_cpu(budgets, "budgets");
+  TORCH_CHECK(budgets.scalar_type() == at::kLong, "first_nodes: budgets must be int64");
+  const int64_t R = tokens_in.size(0), B = tokens_in.size(1), W = mask_in.size(2);
+  TORCH_CHECK(budgets.numel() == R, "first_nodes: one budget per request");
+  const int64_t* bud = budgets.data_ptr<int64_t>();
+  int64_t* rt = outputs[0].data_ptr<int64_t>();
+  int64_t* rp = outputs[1].data_ptr<int64_t>();
+  int64_t* rd = outputs[2].data_ptr<int64_t>();
+  float* rs = outputs[3].data_ptr<float>();
+  int64_t* num = outputs[4].data_ptr<int64_t>();
+  uint32_t* rm = reinterpret_cast<uint32_t*>(outputs[5].data_ptr<int32_t>());
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t keep = std::max<int64_t>(0, std::min(bud[r], num[r]));
+    for (int64_t i = keep; i < num[r]; ++i) {
+      const int64_t k = r * B + i;
+      rt[k] = -1;
+      rp[k] = -1;
+      rd[k] = 0;
+      rs[k] = neg_inf;
+      uint32_t* row = rm + (r * (B + 1) + i + 1) * W;
+      std::memset(row, 0, sizeof(uint32_t) * W);
+      row[0] |= 1u;
+      row[(i + 1) / 32] |= 1u << ((i + 1) % 32);
+    }
+    num[r] = keep;
+  }
+  return {outputs[0], outputs[1], outputs[2], outputs[3], outputs[4], outputs[5]};
+}
+
+// The walk: from the root, move to the child whose token is the target's sample at the current
+// row, while there is one (nodes are in an order where parents precede their children;
+// siblings carry distinct tokens). sampled: [R, B + 1] int64, row 0 = the root.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> walk(const Tensor& tokens,
+                                                        const Tensor& parents,
+                                                        const Tensor& sampled,
+                                                        int64_t max_depth) {
+  for (auto* t : {&tokens, &parents, &sampled}) {  // rows may be strided (a tree's first nodes)
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 2 && t->stride(1) == 1,
+                "walk: tokens, parents and sampled must be CPU [R, *] with contiguous rows");
+  }
+  TORCH_CHECK(sampled.scalar_type() == at::kLong && tokens.scalar_type() == at::kLong &&
+                  parents.scalar_type() == at::kLong,
+              "walk: tokens, parents and sampled must be int64");
+  const int64_t R = tokens.size(0), B = tokens.size(1), L = max_depth;
+  TORCH_CHECK(sampled.size(0) == R && sampled.size(1) == B + 1, "walk: sampled must be [R, B + 1]");
+  auto opts = tokens.options();
+  Tensor accepted_nodes = at::empty({R, L}, opts);
+  Tensor num_accepted = at::empty({R}, opts);
+  Tensor bonus = at::empty({R}, opts);
+  Tensor output_tokens = at::empty({R, L + 1}, opts);
+  Tensor accepted_rows = at::empty({R, L + 1}, opts);
+  const int64_t* tk = tokens.data_ptr<int64_t>();
+  const int64_t* pa = parents.data_ptr<int64_t>();
+  const int64_t* sa = sampled.data_ptr<int64_t>();
+  int64_t* an = accepted_nodes.data_ptr<int64_t>();
+  int64_t* na = num_accepted.data_ptr<int64_t>();
+  int64_t* bo = bonus.data_ptr<int64_t>();
+  int64_t* ot = output_tokens.data_ptr<int64_t>();
+  int64_t* ar = accepted_rows.data_ptr<int64_t>();
+  const int64_t st = tokens.stride(0), sp = parents.stride(0), ss = sampled.stride(0);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t* t = tk + r * st;
+    const int64_t* p = pa + r * sp;
+    const int64_t* y = sa + r * ss;
+    int64_t* rows = ar + r * (L + 1);
+    int64_t current = -1, n = 0;
+    rows[0] = 0;
+    for (int64_t k = 0; k < B && n < L; ++k) {
+      TORCH_CHECK(p[k] < k, "walk: node ", k, " has parent ", p[k],
+                  ": parents must precede their children");
+      if (p[k] == current && t[k] == y[current + 1]) {
+        current = k;
+        rows[++n] = k + 1;
+      }
+    }
+    na[r] = n;
+    for (int64_t j = 0; j <= L; ++j) {
+      const bool kept = j <= n;
+      if (j > 0) an[r * L + j - 1] = kept ? rows[j] - 1 : -1;
+      ot[r * (L + 1) + j] = kept ? y[rows[j]] : -1;
+      if (!kept) rows[j] = -1;
+    }
+    bo[r] = y[rows[n]];
+  }
+  return {accepted_nodes, num_accepted, bonus, output_tokens, accepted_rows};
+}
+
+// TreeState.finish_verify: accepted node rows (within each request's block) -> the K/V moves
+// (src, dst flat rows, -1 where nothing moves), the drafter's hidden-state gather index [T]
+// (dst row reads src row, the identity elsewhere), and the number of moved slots added to
+// `moved` (a 0-dim int64 counter).
+std::tuple<Tensor, Tensor, Tensor> finish_verify(const Tensor& accepted_rows,
+                                                 const Tensor& starts, int64_t num_tokens,
+                                                 Tensor moved) {
+  check_cpu(accepted_rows, "accepted_rows");
+  check_cpu(starts, "starts");
+  check_cpu(moved, "moved");
+  TORCH_CHECK(accepted_rows.scalar_type() == at::kLong && starts.scalar_type() == at::kLong &&
+                  moved.scalar_type() == at::kLong,
+              "finish_verify: int64 tensors expected");
+  const int64_t R = accepted_rows.size(0), L = accepted_rows.size(1) - 1;
+  TORCH_CHECK(starts.numel() == R, "finish_verify: one start per request");
+  auto opts = accepted_rows.options();
+  Tensor src = at::empty({R * L}, opts);
+  Tensor dst = at::empty({R * L}, opts);
+  Tensor gather = at::empty({num_tokens}, opts);
+  const int64_t* rows = accepted_rows.data_ptr<int64_t>();
+  const int64_t* st = starts.data_ptr<int64_t>();
+  int64_t* s = src.data_ptr<int64_t>();
+  int64_t* d = dst.data_ptr<int64_t>();
+  int64_t* g = gather.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_tokens; ++i) g[i] = i;
+  int64_t count = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t j = 1; j <= L; ++j) {
+      const int64_t row = rows[r * (L + 1) + j], k = r * L + j - 1;
+      s[k] = d[k] = -1;
+      if (row < 0) continue;
+      const int64_t from = st[r] + row, to = st[r] + j;
+      TORCH_CHECK(0 <= to && to < num_tokens && 0 <= from && from < num_tokens,
+                  "finish_verify: row out of range");
+      g[to] = from;
+      if (from != to) {
+        s[k] = from;
+        d[k] = to;
+        ++count;
+      }
+    }
+  }
+  *moved.data_ptr<int64_t>() += count;
+  return {src, dst, gather};
+}
+
+// The proposal store (TreeState.proposals): buffers nodes [C + 1, 3, B] int64 (token,
+// parent, depth), scores [C + 1, B] float32 and mask [C + 1, B + 1, W] int32, one row per
+// request slot (row C: the empty tree).
+
+void check_store(const Tensor& nodes, const Tensor& scores, const Tensor& mask) {
+  check_cpu(nodes, "nodes buffer");
+  check_cpu(scores, "scores buffer");
+  check_cpu(mask, "mask buffer");
+  TORCH_CHECK(nodes.dim() == 3 && nodes.size(1) == 3 && nodes.scalar_type() == at::kLong &&
+                  scores.scalar_type() == at::kFloat && mask.scalar_type() == at::kInt &&
+                  scores.size(0) == nodes.size(0) && mask.size(0) == nodes.size(0) &&
+                  scores.size(1) == nodes.size(2) && mask.size(1) == nodes.size(2) + 1,
+              "ddtree store: buffers of unexpected shapes or dtypes");
+}
+
+// Write the trees of one proposal (row r of each field) into store rows slots[r]; returns
+// the parents and depths as int16 [R, 2, B] (the host copy clip_drafts reads).
+Tensor store_trees_(Tensor nodes, Tensor scores, Tensor mask, const Tensor& slots,
+                    const Tensor& tokens, const Tensor& parents, const Tensor& depths,
+                    const Tensor& tree_scores, const Tensor& tree_mask) {
+  check_store(nodes, scores, mask);
+  for (auto* t : {&slots, &tokens, &parents, &depths, &tree_scores, &tree_mask}) {
+    check_cpu(*t, "tree");
+  }
+  const int64_t R = tokens.size(0), B = nodes.size(2), W = mask.size(2);
+  const int64_t C1 = nodes.size(0);
+  TORCH_CHECK(tokens.size(1) == B && tree_mask.size(1) == B + 1 && tree_mask.size(2) == W &&
+                  slots.numel() == R && slots.scalar_type() == at::kLong,
+              "store_trees_: trees must have the store's width");
+  Tensor host = at::empty({R, 2, B}, tokens.options().dtype(at::kShort));
+  int16_t* h = host.data_ptr<int16_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t* fields[3] = {tokens.data_ptr<int64_t>(), parents.data_ptr<int64_t>(),
+                              depths.data_ptr<int64_t>()};
+  int64_t* nb = nodes.data_ptr<int64_t>();
+  float* sb = scores.data_ptr<float>();
+  int32_t* mb = mask.data_ptr<int32_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t slot = sl[r];
+    TORCH_CHECK(0 <= slot && slot < C1, "store_trees_: slot out of range");
+    for (int f = 0; f < 3; ++f) {
+      std::memcpy(nb + (slot * 3 + f) * B, fields[f] + r * B, sizeof(int64_t) * B);
+    }
+    for (int64_t i = 0; i < B; ++i) {
+      h[(r * 2) * B + i] = static_cast<int16_t>(fields[1][r * B + i]);
+      h[(r * 2 + 1) * B + i] = static_cast<int16_t>(fields[2][r * B + i]);
+    }
+    std::memcpy(sb + slot * B, tree_scores.data_ptr<float>() + r * B, sizeof(float) * B);
+    std::memcpy(mb + slot * (B + 1) * W, tree_mask.data_ptr<int32_t>() + r * (B + 1) * W,
+                sizeof(int32_t) * (B + 1) * W);
+  }
+  return host;
+}
+
+// The verify trees of an exact step: store rows slots[r] as a batch (tokens, parents, depths,
+// scores, mask), and, for each index t of token_index (request r, query row i encoded as
+// r * (B + 1) + i; i = 0 for the root and rows without a node), the position shift of that
+// token: depth(node i - 1) - i for a node row, 0 otherwise.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gather_trees(
+    const Tensor& nodes, const Tensor& scores, const Tensor& mask, const Tensor& slots,
+    const Tensor& token_index) {
+  check_store(nodes, scores, mask);
+  check_cpu(slots, "slots");
+  check_cpu(token_index, "token_index");
+  const int64_t R = slots.numel(), B = nodes.size(2), W = mask.size(2), C1 = nodes.size(0);
+  auto opts = nodes.options();
+  Tensor tokens = at::empty({R, B}, opts);
+  Tensor parents = at::empty({R, B}, opts);
+  Tensor depths = at::empty({R, B}, opts);
+  Tensor out_scores = at::empty({R, B}, scores.options());
+  Tensor out_mask = at::empty({R, B + 1, W}, mask.options());
+  const int64_t T = token_index.numel();
+  Tensor shift = at::empty({T}, opts);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  int64_t* outs[3] = {tokens.data_ptr<int64_t>(), parents.data_ptr<int64_t>(),
+                      depths.data_ptr<int64_t>()};
+  const int64_t* nb = nodes.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t slot = sl[r];
+    TORCH_CHECK(0 <= slot && slot < C1, "gather_trees: slot out of range");
+    for (int f = 0; f < 3; ++f) {
+      std::memcpy(outs[f] + r * B, nb + (slot * 3 + f) * B, sizeof(int64_t) * B);
+    }
+    std::memcpy(out_scores.data_ptr<float>() + r * B, scores.data_ptr<float>() + slot * B,
+                sizeof(float) * B);
+    std::memcpy(out_mask.data_ptr<int32_t>() + r * (B + 1) * W,
+                mask.data_ptr<int32_t>() + slot * (B + 1) * W, sizeof(int32_t) * (B + 1) * W);
+  }
+  const int64_t* ti = token_index.data_ptr<int64_t>();
+  int64_t* sh = shift.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t r = ti[t] / (B + 1), i = ti[t] % (B + 1);
+    TORCH_CHECK(0 <= r && r < R, "gather_trees: token index out of range");
+    sh[t] = i == 0 ? 0 : outs[2][r * B + i - 1] - i;
+  }
+  return {tokens, parents, depths, out_scores, out_mask, shift};
+}
+
+// Re-index proposals clipped near their end (TreeState._reindex_proposals): plan [K, 1 + B]
+// int64 per clipped request: its slot, then the old index of each kept node in order (-1
+// past the kept ones). Kept nodes move to the front (a subtree: ancestors come first), their
+// parents renumbered and their ancestor rows rebuilt; the rest become padding.
+void reindex_trees_(Tensor nodes, Tensor scores, Tensor mask, const Tensor& plan) {
+  check_store(nodes, scores, mask);
+  check_cpu(plan, "plan");
+  const int64_t B = nodes.size(2), W = mask.size(2), C1 = nodes.size(0);
+  TORCH_CHECK(plan.dim() == 2 && plan.size(1) == B + 1 && plan.scalar_type() == at::kLong,
+              "reindex_trees_: plan must be int64 [K, 1 + B]");
+  const int64_t* pl = plan.data_ptr<int64_t>();
+  int64_t* nb = nodes.data_ptr<int64_t>();
+  float* sb = scores.data_ptr<float>();
+  uint32_t* mb = reinterpret_cast<uint32_t*>(mask.data_ptr<int32_t>());
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  std::vector<int64_t> old_nodes(3 * B), renumber(B);
+  std::vector<float> old_scores(B);
+  for (int64_t q = 0; q < plan.size(0); ++q) {
+    const int64_t slot = pl[q * (B + 1)];
+    const int64_t* keep = pl + q * (B + 1) + 1;
+    TORCH_CHECK(0 <= slot && slot < C1, "reindex_trees_: slot out of range");
+    int64_t* tok = nb + slot * 3 * B;
+    int64_t* par = tok + B;
+    int64_t* dep = par + B;
+    float* sc = sb + slot * B;
+    uint32_t* rows = mb + slot * (B + 1) * W;
+    std::memcpy(old_nodes.data(), tok, sizeof(int64_t) * 3 * B);
+    std::memcpy(old_scores.data(), sc, sizeof(float) * B);
+    std::fill(renumber.begin(), renumber.end(), -1);
+    std::memset(rows + W, 0, sizeof(uint32_t) * B * W);
+    for (int64_t j = 0; j < B; ++j) {
+      const int64_t old = keep[j];
+      uint32_t* row = rows + (j + 1) * W;
+      if (old < 0) {  // padding
+        tok[j] = -1;
+        par[j] = -1;
+        dep[j] = 0;
+        sc[j] = neg_inf;
+        row[0] = 1u;
+      } else {
+        TORCH_CHECK(old < B, "reindex_trees_: node index out of range");
+        renumber[old] = j;
+        const int64_t old_parent = old_nodes[B + old];
+        const int64_t parent = old_parent < 0 ? -1 : renumber[old_parent];
+        TORCH_CHECK(old_parent < 0 || parent >= 0,
+                    "reindex_trees_: a kept node's parent must be kept before it");
+        tok[j] = old_nodes[old];
+        par[j] = parent;
+        dep[j] = old_nodes[2 * B + old];
+        sc[j] = old_scores[old];
+        const uint32_t* above = rows + (parent + 1) * W;
+        for (int64_t w = 0; w < W; ++w) row[w] = above[w];
+      }
+      row[(j + 1) / 32] |= 1u << ((j + 1) % 32);
+    }
+  }
+}
+
+// The tree rows of a verify step on vLLM's CPU attention backend (cpu_attention.py's
+// tree_attention_info, whose TreeAttentionInfo this returns): requests [n, 4] int64 rows
+// (request row r, first query row, m nodes, sequence length after the step); ancestor_mask
+// [R, B + 1, W] packed rows of the step's trees; block_table [>= R, max_blocks] (int32 or
+// int64). Node i of request n is query row start + 1 + i and sees the committed context
+// (positions < seq - m - 1) and its ancestors in the span; padding rows see position 0.
+std::tuple<Tensor, Tensor, Tensor, Tensor> tree_attention_info(const Tensor& requests,
+                                                               const Tensor& ancestor_mask,
+                                                               const Tensor& block_table,
+                                                               int64_t block_size) {
+  check_cpu(requests, "requests");
+  check_cpu(ancestor_mask, "ancestor_mask");
+  TORCH_CHECK(block_table.device().is_cpu() && block_table.dim() == 2 &&
+                  block_table.stride(1) == 1,
+              "tree_attention_info: block_table must be a CPU [R, blocks] table");
+  TORCH_CHECK(requests.dim() == 2 && requests.size(1) == 4 &&
+                  requests.scalar_type() == at::kLong,
+              "tree_attention_info: requests must be int64 [n, 4]");
+  const int64_t n = requests.size(0), B = ancestor_mask.size(1) - 1, W = ancestor_mask.size(2);
+  const int64_t* req = requests.data_ptr<int64_t>();
+  int64_t b = 0, s = 0;
+  for (int64_t q = 0; q < n; ++q) {
+    b = std::max(b, req[q * 4 + 2]);
+    s = std::max(s, req[q * 4 + 3]);
+  }
+  auto long_opts = requests.options();
+  Tensor rows = at::empty({n, b}, long_opts);
+  Tensor valid = at::empty({n, b}, long_opts.dtype(at::kBool));
+  Tensor slots = at::empty({n, s}, long_opts);
+  Tensor mask = at::empty({n, b, s}, long_opts.dtype(at::kBool));
+  int64_t* ro = rows.data_ptr<int64_t>();
+  bool* va = valid.data_ptr<bool>();
+  int64_t* sl = slots.data_ptr<int64_t>();
+  bool* ma = mask.data_ptr<bool>();
+  const uint32_t* am = reinterpret_cast<const uint32_t*>(ancestor_mask.data_ptr<int32_t>());
+  const int64_t bt_stride = block_table.stride(0), num_blocks = block_table.size(1);
+  const bool bt32 = block_table.scalar_type() == at::kInt;
+  TORCH_CHECK(bt32 || block_table.scalar_type() == at::kLong,
+              "tree_attention_info: block_table must be int32 or int64");
+  for (int64_t q = 0; q < n; ++q) {
+    const int64_t r = req[q * 4], start = req[q * 4 + 1], m = req[q * 4 + 2];
+    const int64_t seq = req[q * 4 + 3], ctx = seq - m - 1;
+    TORCH_CHECK(0 <= r && r < ancestor_mask.size(0) && r < block_table.size(0) && m <= B &&
+                    ctx >= 0 && (seq + block_size - 1) / block_size <= num_blocks,
+                "tree_attention_info: request out of range");
+    for (int64_t pos = 0; pos < s; ++pos) {
+      int64_t slot = 0;
+      if (pos < seq) {
+        const int64_t at = r * bt_stride + pos / block_size;
+        const int64_t block = bt32 ? block_table.data_ptr<int32_t>()[at]
+                                   : block_table.data_ptr<int64_t>()[at];
+        slot = block * block_size + pos % block_size;
+      }
+      sl[q * s + pos] = slot;
+    }
+    for (int64_t i = 0; i < b; ++i) {
+      const bool real = i < m;
+      ro[q * b + i] = real ? start + 1 + i : 0;
+      va[q * b + i] = real;
+      bool* row = ma + (q * b + i) * s;
+      if (!real) {
+        std::memset(row, 0, s);
+        row[0] = true;  // a padding row sees one position: no all-masked softmax
+        continue;
+      }
+      const uint32_t* bits = am + (r * (B + 1) + i + 1) * W;
+      for (int64_t pos = 0; pos < s; ++pos) {
+        const int64_t rel = pos - ctx;
+        row[pos] = rel < 0 || (rel <= m && ((bits[rel / 32] >> (rel % 32)) & 1u));
+      }
+    }
+  }
+  return {rows, valid, slots, mask};
+}
+
+template <typename T>
+inline float to_float(T x) {
+  return static_cast<float>(x);
+}
+
+// float -> bfloat16 -> float, round to nearest even (as torch's .to(torch.bfloat16))
+inline float round_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  if ((bits & 0x7f800000u) != 0x7f800000u) bits += 0x7fffu + ((bits >> 16) & 1u);
+  bits &= 0xffff0000u;
+  float y;
+  std::memcpy(&y, &bits, 4);
+  return y;
+}
+
+template <typename T>
+void tree_attention_impl(Tensor& output, const Tensor& query, const Tensor& flat,
+                         const int64_t* offsets, int64_t slot_stride, int64_t block_size,
+                         const Tensor& rows, const Tensor& valid, const Tensor& slots,
+                         const Tensor& mask, float scale, bool bf16_probs) {
+  const int64_t n = rows.size(0), b = rows.size(1), s = slots.size(1);
+  const int64_t H = query.size(1), D = query.size(2), Hkv = slot_stride / (2 * D);
+  const int64_t group = H / Hkv;
+  const T* q = query.data_ptr<T>();
+  T* out = output.data_ptr<T>();
+  const T* cache = flat.data_ptr<T>();
+  const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
+  const int64_t os0 = output.stride(0), os1 = output.stride(1);
+  const int64_t* ro = rows.data_ptr<int64_t>();
+  const bool* va = valid.data_ptr<bool>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const bool* ma = mask.data_ptr<bool>();
+  // one task per (request, KV head): its rows' outputs are disjoint from every other task's
+  at::parallel_for(0, n * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> kt(D * s), vv(s * D), sc(s), qf(D), acc(D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / Hkv, g = task % Hkv;
+      int64_t used = 0;  // positions any row of this request sees
+      for (int64_t i = 0; i < b; ++i) {
+        for (int64_t pos = s - 1; pos >= used; --pos) {
+          if (ma[(r * b + i) * s + pos]) {
+            used = pos + 1;
+            break;
+          }
+        }
+      }
+      for (int64_t pos = 0; pos < used; ++pos) {  // K transposed [D, used], V [used, D]
+        const int64_t slot = sl[r * s + pos];
+        const int64_t* off = offsets + (slot % block_size) * slot_stride;
+        const T* base = cache + slot * slot_stride;
+        for (int64_t d = 0; d < D; ++d) {
+          kt[d * used + pos] = to_float(base[off[g * D + d]]);
+          vv[pos * D + d] = to_float(base[off[(Hkv + g) * D + d]]);
+        }
+      }
+      for (int64_t i = 0; i < b; ++i) {
+        if (!va[r * b + i]) continue;
+        const bool* row_mask = ma + (r * b + i) * s;
+        const int64_t row = ro[r * b + i];
+        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+          const T* qh = q + row * qs0 + h * qs1;
+          for (int64_t d = 0; d < D; ++d) qf[d] = to_float(qh[d]);
+          std::fill(sc.begin(), sc.begin() + used, 0.0f);
+          for (int64_t d = 0; d < D; ++d) {
+            const float qd = qf[d];
+            const float* kd = kt.data() + d * used;
+            for (int64_t pos = 0; pos < used; ++pos) sc[pos] += qd * kd[pos];
+          }
+          float top = -std::numeric_limits<float>::infinity();
+          for (int64_t pos = 0; pos < used; ++pos) {
+            sc[pos] = row_mask[pos] ? sc[pos] * scale : -std::numeric_limits<float>::infinity();
+            top = std::max(top, sc[pos]);
+          }
+          float total = 0.0f;
+          for (int64_t pos = 0; pos < used; ++pos) {
+            const float p = row_mask[pos] ? std::exp(sc[pos] - top) : 0.0f;
+            total += p;
+            sc[pos] = bf16_probs ? round_bf16(p) : p;
+          }
+          std::fill(acc.begin(), acc.end(), 0.0f);
+          for (int64_t pos = 0; pos < used; ++pos) {
+            const float p = sc[pos];
+            if (p == 0.0f) continue;
+            const float* vp = vv.data() + pos * D;
+            for (int64_t d = 0; d < D; ++d) acc[d] += p * vp[d];
+          }
+          T* oh = out + row * os0 + h * os1;
+          for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<T>(acc[d] / total);
+        }
+      }
+    }
+  });
+}
+
+// The node rows of a verify step on vLLM's CPU backend (DDTreeCPUImpl): for each real node
+// row, attention over the positions its mask shows (the committed context and its
+// ancestors), K/V read from the paged cache through the layout's offsets; written into
+// output [T, H, D] at the row (the root rows and other requests' rows are left alone).
+// bf16_probs: the unnormalised probabilities are rounded to bfloat16 before they weigh V
+// (vLLM's amx kernel does).
+void tree_attention_(Tensor output, const Tensor& query, const Tensor& flat,
+                     const Tensor& offsets, int64_t slot_stride, const Tensor& rows,
+                     const Tensor& valid, const Tensor& slots, const Tensor& mask,
+                     double scale, bool bf16_probs) {
+  for (auto* t : {&offsets, &rows, &valid, &slots, &mask, &flat}) check_cpu(*t, "attention");
+  TORCH_CHECK(output.device().is_cpu() && query.device().is_cpu() && output.dim() == 3 &&
+                  query.dim() == 3 && output.stride(2) == 1 && query.stride(2) == 1 &&
+                  output.size(1) == query.size(1) && output.size(2) == query.size(2),
+              "tree_attention_: output and query must be CPU [T, H, D] with contiguous heads");
+  const int64_t num_rows = std::min(output.size(0), query.size(0));
+  for (int64_t i = 0; i < rows.numel(); ++i) {
+    TORCH_CHECK(0 <= rows.data_ptr<int64_t>()[i] && rows.data_ptr<int64_t>()[i] < num_rows,
+                "tree_attention_: a node row is out of range");
+  }
+  TORCH_CHECK(query.scalar_type() == flat.scalar_type() &&
+                  output.scalar_type() == flat.scalar_type(),
+              "tree_attention_: query, output and cache must share a dtype");
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.numel() % slot_stride == 0 &&
+                  slot_stride % (2 * query.size(2)) == 0 &&
+                  query.size(1) % (slot_stride / (2 * query.size(2))) == 0,
+              "tree_attention_: offsets must be the layout's [bs, 2, Hkv, D] table");
+  const int64_t block_size = offsets.numel() / slot_stride;
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const float sc = static_cast<float>(scale);
+  switch (flat.scalar_type()) {
+    case at::kFloat:
+      tree_attention_impl<float>(output, query, flat, off, slot_stride, block_size, rows, valid,
+                                 slots, mask, sc, bf16_probs);
+      break;
+    case at::kBFloat16:
+      tree_attention_impl<c10::BFloat16>(output, query, flat, off, slot_stride, block_size, rows,
+                                         valid, slots, mask, sc, bf16_probs);
+      break;
+    case at::kHalf:
+      tree_attention_impl<c10::Half>(output, query, flat, off, slot_stride, block_size, rows,
+                                     valid, slots, mask, sc, bf16_probs);
+      break;
+    default:
+      TORCH_CHECK(false, "tree_attention_: unsupported dtype ", flat.scalar_type());
+  }
+}
+
+template <typename T>
+void copy_elements(std::vector<Tensor>& flats, const int64_t* offsets, int64_t slot_stride,
+                   int64_t block_size, const std::vector<std::pair<int64_t, int64_t>>& pairs) {
+  // all sources are read before any write: overlapping moves (a chain shifting down) are safe
+  std::vector<T> staged(pairs.size() * slot_stride);
+  for (auto& flat : flats) {
+    T* data = reinterpret_cast<T*>(flat.data_ptr());
+    for (size_t n = 0; n < pairs.size(); ++n) {
+      const int64_t slot = pairs[n].first;
+      const int64_t* off = offsets + (slot % block_size) * slot_stride;
+      T* out = staged.data() + n * slot_stride;
+      for (int64_t e = 0; e < slot_stride; ++e) out[e] = data[slot * slot_stride + off[e]];
+    }
+    for (size_t n = 0; n < pairs.size(); ++n) {
+      const int64_t slot = pairs[n].second;
+      const int64_t* off = offsets + (slot % block_size) * slot_stride;
+      const T* in = staged.data() + n * slot_stride;
+      for (int64_t e = 0; e < slot_stride; ++e) data[slot * slot_stride + off[e]] = in[e];
+    }
+  }
+}
+
+// K/V compaction on vLLM's CPU caches that share one slot layout: copy the slot of flat query
+// row src_rows[n] to the slot of row dst_rows[n] (slot_mapping gives each row's slot; a -1 on
+// either side skips the pair) in every cache. offsets: [block_size, C] int64, the layout's
+// element offsets (CPUKVLayout); flats: the caches viewed flat.
+void copy_slots_(at::TensorList flats, const Tensor& offsets, int64_t slot_stride,
+                 const Tensor& slot_mapping, const Tensor& src_rows, const Tensor& dst_rows) {
+  check_cpu(offsets, "offsets");
+  check_cpu(slot_mapping, "slot_mapping");
+  check_cpu(src_rows, "src_rows");
+  check_cpu(dst_rows, "dst_rows");
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
+                  src_rows.scalar_type() == at::kLong && dst_rows.scalar_type() == at::kLong,
+              "copy_slots_: int64 index tensors expected");
+  TORCH_CHECK(offsets.numel() % slot_stride == 0, "copy_slots_: offsets must be [bs, C]");
+  const int64_t block_size = offsets.numel() / slot_stride, n = src_rows.numel();
+  TORCH_CHECK(dst_rows.numel() == n, "copy_slots_: src_rows and dst_rows differ in length");
+  const int64_t* map = slot_mapping.data_ptr<int64_t>();
+  const int64_t* s = src_rows.data_ptr<int64_t>();
+  const int64_t* d = dst_rows.data_ptr<int64_t>();
+  const int64_t rows = slot_mapping.numel();
+  std::vector<std::pair<int64_t, int64_t>> pairs;
+  for (int64_t i = 0; i < n; ++i) {
+    if (s[i] < 0 || d[i] < 0) continue;
+    TORCH_CHECK(s[i] < rows && d[i] < rows, "copy_slots_: row out of range");
+    pairs.emplace_back(map[s[i]], map[d[i]]);
+  }
+  if (pairs.empty()) return;
+  std::vector<Tensor> views;
+  size_t elem = 0;
+  for (const auto& flat : flats) {
+    check_cpu(flat, "cache");
+    TORCH_CHECK(elem == 0 || elem == flat.element_size(), "copy_slots_: mixed element sizes");
+    elem = flat.element_size();
+    views.push_back(flat);
+  }
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  if (elem == 2) {
+    copy_elements<uint16_t>(views, off, slot_stride, block_size, pairs);
+  } else if (elem == 4) {
+    copy_elements<uint32_t>(views, off, slot_stride, block_size, pairs);
+  } else if (elem == 1) {
+    copy_elements<uint8_t>(views, off, slot_stride, block_size, pairs);
+  } else {
+    TORCH_CHECK(false, "copy_slots_: unsupported element size ", elem);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(ddtree, m) {
+  m.def("build_tree(Tensor values, Tensor ids, int budget, int max_budget) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("first_nodes(Tensor tokens, Tensor parents, Tensor depths, Tensor scores, "
+        "Tensor num_nodes, Tensor mask, Tensor budgets) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("walk(Tensor tokens, Tensor parents, Tensor sampled, int max_depth) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("finish_verify(Tensor accepted_rows, Tensor starts, int num_tokens, Tensor(a!) moved) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.def("store_trees_(Tensor(a!) nodes, Tensor(b!) scores, Tensor(c!) mask, Tensor slots, "
+        "Tensor tokens, Tensor parents, Tensor depths, Tensor tree_scores, Tensor tree_mask) "
+        "-> Tensor");
+  m.def("gather_trees(Tensor nodes, Tensor scores, Tensor mask, Tensor slots, "
+        "Tensor token_index) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("reindex_trees_(Tensor(a!) nodes, Tensor(b!) scores, Tensor(c!) mask, Tensor plan) "
+        "-> ()");
+  m.def("tree_attention_info(Tensor requests, Tensor ancestor_mask, Tensor block_table, "
+        "int block_size) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("tree_attention_(Tensor(a!) output, Tensor query, Tensor flat, Tensor offsets, "
+        "int slot_stride, Tensor rows, Tensor valid, Tensor slots, Tensor mask, float scale, "
+        "bool bf16_probs) -> ()");
+  m.def("copy_slots_(Tensor(a!)[] flats, Tensor offsets, int slot_stride, Tensor slot_mapping, "
+        "Tensor src_rows, Tensor dst_rows) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(ddtree, CPU, m) {
+  m.impl("build_tree", &build_tree);
+  m.impl("first_nodes", &first_nodes);
+  m.impl("walk", &walk);
+  m.impl("finish_verify", &finish_verify);
+  m.impl("store_trees_", &store_trees_);
+  m.impl("gather_trees", &gather_trees);
+  m.impl("reindex_trees_", &reindex_trees_);
+  m.impl("tree_attention_info", &tree_attention_info);
+  m.impl("tree_attention_", &tree_attention_);
+  m.impl("copy_slots_", &copy_slots_);
+}

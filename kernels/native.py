@@ -1,0 +1,63 @@
+"""The fused CPU kernels (``csrc/ddtree_cpu.cpp``): one op per verify-step stage on the CPU.
+
+The torch path of each stage runs tens of small ops (tree build ~45, walk ~14, finish verify
+~12, compaction 4 per layer), each a fixed cost of a few microseconds on the CPU; the fused op
+does the same work in one call. The ops are built with ``torch.utils.cpp_extension`` the
+first time a process needs them (~40 s with g++; cached in torch's extensions folder, so
+later processes load them in milliseconds; ``scripts/setup_venv.sh`` builds them once) and
+registered as ``torch.ops.ddtree.*``.
+
+:func:`cpu_ops` returns the op namespace for CPU tensors, or None when the torch path must
+run: on other devices (CUDA runs the torch path or the Triton kernels), when
+``VLLM_DDTREE_NATIVE=0`` (tests and benchmarks compare both paths), or when the build
+failed (no C++ compiler: a warning says so once, and the torch path serves: same outputs,
+more ops per step).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+
+__all__ = ["cpu_ops", "enabled"]
+
+logger = logging.getLogger("vllm.ddtree")
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "ddtree_cpu.cpp")
+_lock = threading.Lock()
+_state: dict = {}  # "ops": the namespace once loaded, "error": the build failure
+
+
+def enabled() -> bool:
+    """False when ``VLLM_DDTREE_NATIVE=0``: every stage takes its torch path."""
+    return os.environ.get("VLLM_DDTREE_NATIVE", "1") not in ("0", "false", "False")
+
+
+def _load():
+    with _lock:
+        if "ops" in _state or "error" in _state:
+            return _state.get("ops")
+        try:
+            from torch.utils.cpp_extension import load
+
+            logger.info("ddtree: loading the fused CPU kernels (the first build takes ~40 s)")
+            load(name="vllm_ddtree_cpu", sources=[SOURCE], extra_cflags=["-O3"],
+                 is_python_module=False, verbose=False)
+            _state["ops"] = torch.ops.ddtree
+        except Exception as exc:  # no compiler, no headers: the torch path serves
+            _state["error"] = exc
+            logger.warning("ddtree: the fused CPU kernels could not be built (%s); the torch "
+                           "path runs instead (same outputs, more ops per step). Install a "
+                           "C++ compiler (g++) to get them.", exc)
+        return _state.get("ops")
+
+
+def cpu_ops(device: torch.device | str):
+    """``torch.ops.ddtree`` for tensors on ``device`` when it is the CPU and the fused kernels
+    are enabled and built (building them on first use); else None."""
+    if torch.device(device).type != "cpu" or not enabled():
+        return None
+    ops = _state.get("ops")
+    return ops if ops is not None else _load()

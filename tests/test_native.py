@@ -1,0 +1,707 @@
+"""The fused CPU kernels (kernels/csrc/ddtree_cpu.cpp) against their torch twins.
+
+Every op runs twice on the same inputs: once through the package's dispatch with the kernels
+enabled, once with ``VLLM_DDTREE_NATIVE=0`` (the torch path, the oracle), and the results
+must be equal bit for bit (``torch.equal``). Where a second, independent oracle exists it is
+checked too: the plain heap of :func:`reference_build_tree` for trees, the ancestor rows
+recomputed from the parents by pointer jumping over all B levels (``_ancestor_mask(parents,
+B)``) for masks, and hand-computed moves for ``finish_verify``.
+
+The first test in a process builds the kernels (~20-40 s the very first time, cached after).
+"""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_ddtree.kernels.native import cpu_ops
+from vllm_ddtree.plugin.options import DDTreeOptions
+from vllm_ddtree.plugin.state import TreeState, VerifyBatch
+from vllm_ddtree.tree import DraftTree, _ancestor_mask, build_tree, reference_build_tree
+from vllm_ddtree.walk import walk
+
+TREE_FIELDS = ("token_ids", "parents", "depths", "scores", "num_nodes", "ancestor_mask")
+VERDICT_FIELDS = ("accepted_nodes", "num_accepted", "bonus_token", "output_tokens",
+                  "accepted_rows")
+
+
+@pytest.fixture
+def native(monkeypatch):
+    """The op namespace (the suite's machines build it: a failed build fails here).
+    ``native.on()`` / ``native.off()`` switch every caller between the fused and torch paths
+    (restored after the test)."""
+    monkeypatch.setenv("VLLM_DDTREE_NATIVE", "1")
+    ops = cpu_ops("cpu")
+    if ops is None:
+        pytest.fail("the fused CPU kernels could not be built on this machine (see the "
+                    "warning of vllm_ddtree.kernels.native)")
+
+    def switch(on: bool):
+        monkeypatch.setenv("VLLM_DDTREE_NATIVE", "1" if on else "0")
+        assert (cpu_ops("cpu") is not None) == on
+
+    return SimpleNamespace(ops=ops, on=lambda: switch(True), off=lambda: switch(False))
+
+
+def both_paths(native, fn):
+    """``(fn() with the fused kernels, fn() on the torch path)``."""
+    native.on()
+    fused = fn()
+    native.off()
+    torch_path = fn()
+    native.on()
+    return fused, torch_path
+
+
+def assert_trees_equal(got: DraftTree, want: DraftTree, what: str = "") -> None:
+    for name in TREE_FIELDS:
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and a.shape == b.shape, (what, name, a.dtype, b.dtype,
+                                                           a.shape, b.shape)
+        assert torch.equal(a, b), f"{what}: DraftTree.{name} differs\nfused {a}\ntorch {b}"
+    assert got.max_depth == want.max_depth, what
+
+
+def assert_verdicts_equal(got, want, what: str = "") -> None:
+    for name in VERDICT_FIELDS:
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and a.shape == b.shape, (what, name)
+        assert torch.equal(a, b), f"{what}: TreeVerdict.{name} differs\nfused {a}\ntorch {b}"
+
+
+# ----------------------------------------------------------------------------------- cpu_ops
+
+
+def test_cpu_ops_only_for_the_cpu_and_only_when_enabled(native, monkeypatch):
+    assert native.ops is torch.ops.ddtree
+    assert cpu_ops("cpu") is torch.ops.ddtree
+    assert cpu_ops(torch.device("cpu")) is torch.ops.ddtree
+    for device in ("meta", "cuda", "cuda:0", torch.device("meta")):
+        assert cpu_ops(device) is None, device
+    for off in ("0", "false", "False"):
+        monkeypatch.setenv("VLLM_DDTREE_NATIVE", off)
+        assert cpu_ops("cpu") is None, off
+    monkeypatch.setenv("VLLM_DDTREE_NATIVE", "1")
+    assert cpu_ops("cpu") is torch.ops.ddtree
+
+
+# -------------------------------------------------------------------------------- build_tree
+
+
+def random_logits(kind: str, batch: int, depth: int, vocab: int, gen: torch.Generator):
+    """``randn``: distinct values; ``ties``: small integers (many equal log-probabilities,
+    so the tie-break decides); ``zeros``: small integers and -inf (tokens of probability
+    zero: fewer possible prefixes than the budget, padding); ``bf16``: bf16 logits."""
+    if kind == "randn":
+        return torch.randn(batch, depth, vocab, generator=gen) * 3
+    if kind == "bf16":
+        return (torch.randn(batch, depth, vocab, generator=gen) * 2).bfloat16()
+    logits = torch.randint(0, 3, (batch, depth, vocab), generator=gen).float()
+    if kind == "zeros":
+        logits[torch.rand(batch, depth, vocab, generator=gen) < 0.7] = float("-inf")
+        logits[..., 0] = 0.0  # every row keeps a possible token
+    return logits
+
+
+@pytest.mark.parametrize("B,L", list(itertools.product([1, 4, 16, 64, 300], [1, 2, 5, 8])))
+def test_build_tree_equals_the_torch_path_and_the_heap(native, B, L):
+    gen = torch.Generator().manual_seed(1000 * B + L)
+    vocabs = sorted({max(2, B // 3), 2 * B + 5})  # fewer tokens than B (padding), and more
+    for vocab, kind in itertools.product(vocabs, ("randn", "ties", "zeros", "bf16")):
+        batch = int(torch.randint(1, 5, (1,), generator=gen))
+        logits = random_logits(kind, batch, L, vocab, gen)
+        case = f"B={B} L={L} vocab={vocab} {kind} batch={batch}"
+        for budget in sorted({B, B // 2, 1, 0}):
+            fused, ref = both_paths(native, lambda: build_tree(logits, budget, B))
+            assert_trees_equal(fused, ref, f"{case} budget={budget}")
+            assert torch.equal(fused.ancestor_mask, _ancestor_mask(fused.parents, B)), case
+            assert (fused.num_nodes <= budget).all()
+            # the plain heap, with the same top-k width (with ties, which of the tied tokens
+            # enter the top-k depends on k; k = min(max_budget, vocab) in build_tree)
+            if budget == 0:  # build_tree needs max_budget >= 1
+                assert (fused.num_nodes == 0).all()
+                continue
+            narrow = build_tree(logits, budget)  # max_budget = budget
+            heap = reference_build_tree(logits, budget)
+            for r in range(batch):
+                n = int(narrow.num_nodes[r])
+                got = {"token_ids": narrow.token_ids[r, :n].tolist(),
+                       "parents": narrow.parents[r, :n].tolist(),
+                       "depths": narrow.depths[r, :n].tolist(),
+                       "scores": narrow.scores[r, :n].tolist()}
+                assert got == heap[r], f"{case} budget={budget} request {r}"
+                if kind == "randn" or budget == B:  # no tie at the top-k boundary
+                    assert int(fused.num_nodes[r]) == n, case
+                    for name in TREE_FIELDS[:4]:
+                        assert torch.equal(getattr(fused, name)[r, :n],
+                                           getattr(narrow, name)[r, :n]), (case, name)
+        # per-request budgets as a tensor (int64 and int32), each in [0, B]
+        for dtype in (torch.int64, torch.int32):
+            budgets = torch.randint(0, B + 1, (batch,), generator=gen).to(dtype)
+            fused, ref = both_paths(native, lambda: build_tree(logits, budgets, B))
+            assert_trees_equal(fused, ref, f"{case} budgets={budgets.tolist()}")
+            full = build_tree(logits, B)
+            assert torch.equal(fused.num_nodes, torch.minimum(budgets.long(), full.num_nodes))
+
+
+@pytest.mark.parametrize("B,L,vocab,kind", [(16, 3, 9, "ties"), (64, 5, 40, "zeros"),
+                                            (300, 8, 700, "randn"), (4, 1, 3, "zeros")])
+def test_build_tree_budget_function(native, B, L, vocab, kind):
+    """The budget function sees the full-width tree's best-first (scores, depths) on both
+    paths: the same scores, the same depths wherever the score is > -inf (the torch path's
+    depths of impossible prefixes are meaningless; the fused path's are 0), and the trees cut
+    to its budgets are equal."""
+    gen = torch.Generator().manual_seed(B + L)
+    logits = random_logits(kind, 4, L, vocab, gen)
+    seen = []
+
+    def budget_fn(scores, depths):
+        seen.append((scores.clone(), depths.clone()))
+        # data-dependent: the nodes above a probability, less one per two possible depth-1
+        # prefixes (the depths of impossible prefixes, score -inf, are not part of the contract)
+        possible = scores > float("-inf")
+        return (scores > -4.0).sum(dim=1) - ((depths == 1) & possible).sum(dim=1) // 2
+
+    fused, ref = both_paths(native, lambda: build_tree(logits, budget_fn, B))
+    assert len(seen) == 2
+    (s_fused, d_fused), (s_torch, d_torch) = seen
+    assert s_fused.dtype == s_torch.dtype == torch.float32 and s_fused.shape == (4, B)
+    assert d_fused.dtype == d_torch.dtype == torch.int64 and d_fused.shape == (4, B)
+    assert torch.equal(s_fused, s_torch)
+    possible = s_fused > float("-inf")
+    assert torch.equal(torch.where(possible, d_fused, 0), torch.where(possible, d_torch, 0))
+    assert (d_fused[~possible] == 0).all()
+    full = build_tree(logits, B)
+    assert torch.equal(s_fused, full.scores) and torch.equal(d_fused, full.depths)
+    assert_trees_equal(fused, ref, f"budget fn B={B} L={L}")
+    budgets = budget_fn(s_fused, d_fused)
+    assert torch.equal(fused.num_nodes, budgets.clamp(min=0).minimum(full.num_nodes))
+
+
+# -------------------------------------------------------------------------------------- walk
+
+
+def path_samples(tree: DraftTree, vocab: int, gen: torch.Generator, follow: bool = True):
+    """``[R, B + 1]`` target samples: random tokens in ``[0, vocab)``; with ``follow``, each
+    request's samples follow a random tree path to a random depth, then diverge (a token that
+    no child of the last node carries, or any token half of the time)."""
+    batch, width = tree.token_ids.shape
+    sampled = torch.randint(0, vocab, (batch, width + 1), generator=gen)
+    if not follow:
+        return sampled
+    tokens, parents = tree.token_ids.tolist(), tree.parents.tolist()
+    for r in range(batch):
+        n = int(tree.num_nodes[r])
+        target = int(torch.randint(0, tree.max_depth + 1, (1,), generator=gen))
+        current = -1
+        for _ in range(target):
+            children = [k for k in range(n) if parents[r][k] == current]
+            if not children:
+                break
+            child = children[int(torch.randint(0, len(children), (1,), generator=gen))]
+            sampled[r, current + 1] = tokens[r][child]
+            current = child
+        if torch.rand(1, generator=gen) < 0.5:
+            taken = {tokens[r][k] for k in range(n) if parents[r][k] == current}
+            sampled[r, current + 1] = next(t for t in range(vocab + 1) if t not in taken)
+    return sampled
+
+
+def hand_tree(parents: list[list[int]], tokens: list[list[int]], max_depth: int) -> DraftTree:
+    """A batch of trees from parent/token lists (padding: parent -1, token -1); depths and
+    ancestor rows computed from the parents."""
+    par = torch.tensor(parents)
+    tok = torch.tensor(tokens)
+    depths = []
+    for row_p, row_t in zip(parents, tokens):
+        d = []
+        for p, t in zip(row_p, row_t):
+            d.append(0 if t < 0 else (1 if p < 0 else d[p] + 1))
+        depths.append(d)
+    dep = torch.tensor(depths)
+    return DraftTree(token_ids=tok, parents=par, depths=dep,
+                     scores=torch.where(dep > 0, 0.0, float("-inf")),
+                     num_nodes=(dep > 0).sum(dim=1), ancestor_mask=_ancestor_mask(par, max_depth),
+                     max_depth=max_depth)
+
+
+@pytest.mark.parametrize("B,L,vocab", [(1, 1, 3), (4, 2, 3), (16, 5, 6), (64, 8, 5),
+                                       (300, 8, 40), (40, 3, 500)])
+def test_walk_equals_the_torch_path(native, B, L, vocab):
+    gen = torch.Generator().manual_seed(7 * B + L)
+    for kind in ("ties", "zeros", "randn"):
+        logits = random_logits(kind, 4, L, vocab, gen)
+        budgets = torch.tensor([B, 0, max(B // 3, 1), B])  # request 1: no nodes
+        tree = build_tree(logits, budgets, B)
+        for follow in (True, True, False):
+            sampled = path_samples(tree, vocab, gen, follow)
+            fused, ref = both_paths(native, lambda: walk(tree, sampled))
+            assert_verdicts_equal(fused, ref, f"B={B} L={L} {kind} follow={follow}")
+            assert fused.num_accepted[1] == 0 and fused.bonus_token[1] == sampled[1, 0]
+            # int32 samples are accepted too
+            again = walk(tree, sampled.int())
+            assert_verdicts_equal(again, fused, "int32 samples")
+            # the first nodes of each request: strided views of the tree and of the samples
+            for width in sorted({0, 1, B // 2, B}):
+                sub = tree.first_nodes(width)
+                if width and width < B:
+                    assert not sub.token_ids.is_contiguous()
+                sub_sampled = sampled[:, : width + 1]
+                fused, ref = both_paths(native, lambda: walk(sub, sub_sampled))
+                assert_verdicts_equal(fused, ref, f"B={B} L={L} {kind} width={width}")
+
+
+def test_walk_chains_and_empty_rows(native):
+    """Chains (node k hangs off k - 1), cut at various lengths, and rows with no nodes."""
+    gen = torch.Generator().manual_seed(11)
+    width = 9
+    parents, tokens = [], []
+    for n in (9, 5, 0, 1, 9, 3):
+        parents.append(list(range(-1, n - 1)) + [-1] * (width - n))
+        tokens.append(torch.randint(0, 3, (n,), generator=gen).tolist() + [-1] * (width - n))
+    tree = hand_tree(parents, tokens, max_depth=width)
+    for trial in range(20):
+        sampled = path_samples(tree, 3, gen, follow=trial % 4 != 3)
+        if trial == 0:  # every chain accepted whole
+            sampled = torch.tensor([t[:] for t in tokens])
+            sampled = torch.cat([sampled.clamp(min=0), torch.zeros(len(tokens), 1,
+                                                                   dtype=torch.long)], dim=1)
+        fused, ref = both_paths(native, lambda: walk(tree, sampled))
+        assert_verdicts_equal(fused, ref, f"chains, trial {trial}")
+        if trial == 0:
+            assert fused.num_accepted.tolist() == [9, 5, 0, 1, 9, 3]
+    empty = hand_tree([[-1] * 4] * 2, [[-1] * 4] * 2, max_depth=3)
+    sampled = torch.randint(0, 5, (2, 5), generator=gen)
+    fused, ref = both_paths(native, lambda: walk(empty, sampled))
+    assert_verdicts_equal(fused, ref, "no nodes")
+    assert fused.num_accepted.tolist() == [0, 0]
+    assert fused.output_tokens[:, 0].tolist() == sampled[:, 0].tolist()
+
+
+def test_walk_refuses_a_parent_after_its_child(native):
+    # node 0 hangs off node 1: not in an order where parents precede their children
+    tree = DraftTree(token_ids=torch.tensor([[3, 4]]), parents=torch.tensor([[1, -1]]),
+                     depths=torch.tensor([[2, 1]]), scores=torch.zeros(1, 2),
+                     num_nodes=torch.tensor([2]),
+                     ancestor_mask=torch.tensor([[[1], [7], [5]]], dtype=torch.int32),
+                     max_depth=2)
+    with pytest.raises(RuntimeError, match="parents must precede"):
+        walk(tree, torch.tensor([[4, 0, 3]]))
+    with pytest.raises(RuntimeError, match="parents must precede"):  # a self-loop
+        native.ops.walk(torch.tensor([[3]]), torch.tensor([[0]]), torch.tensor([[3, 3]]), 1)
+
+
+# ----------------------------------------------------------------------------- finish_verify
+
+
+def moves_by_hand(accepted_rows: torch.Tensor, starts: list[int], num_tokens: int):
+    """(src, dst, gather index, moved) written out per request: accepted node row q at depth
+    j moves from ``start + q`` to ``start + j`` unless it is there already."""
+    rows = accepted_rows.tolist()
+    depth = len(rows[0]) - 1
+    src, dst, gather, moved = [], [], list(range(num_tokens)), 0
+    for r, start in enumerate(starts):
+        for j in range(1, depth + 1):
+            q = rows[r][j]
+            s = d = -1
+            if q >= 0:
+                gather[start + j] = start + q
+                if q != j:
+                    s, d = start + q, start + j
+                    moved += 1
+            src.append(s)
+            dst.append(d)
+    return src, dst, gather, moved
+
+
+@pytest.mark.parametrize("B,L", [(12, 4), (64, 8), (5, 1)])
+def test_finish_verify_equals_the_torch_path(native, B, L):
+    """Several requests with unequal draft counts (some none, one with extra rows: a chunk of
+    prefill after its drafts), the verdict of a walk that follows random tree paths."""
+    gen = torch.Generator().manual_seed(B * L)
+    num_draft = [B, 0, 3 if B > 3 else 1, 0, B // 2, 1]
+    extra = [0, 0, 0, 6, 0, 2]  # rows past the verify span (e.g. prefill)
+    batch = len(num_draft)
+    state = TreeState(DDTreeOptions(budget=B, depth=L), torch.device("cpu"))
+    total_moved = 0
+    for trial in range(4):
+        tree = build_tree(random_logits("ties", batch, L, 5, gen), torch.tensor(num_draft), B)
+        num_draft = tree.num_nodes.tolist()
+        sizes = [m + 1 + e for m, e in zip(num_draft, extra)]
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
+        num_tokens = sum(sizes) + 3  # and a few rows of no request (padding)
+        state.verify = VerifyBatch(tree=tree, num_draft=num_draft, query_start=starts,
+                                   num_tokens=num_tokens, matched=torch.ones(batch, dtype=bool),
+                                   starts=torch.tensor(starts))
+        verdict = walk(tree, path_samples(tree, 5, gen, follow=trial != 3))
+
+        def finish():
+            before = state.num_compacted_slots
+            src, dst = state.finish_verify(verdict)
+            return src, dst, state.gather_index, state.num_compacted_slots - before
+
+        (src, dst, gather, moved), (src_t, dst_t, gather_t, moved_t) = both_paths(native, finish)
+        case = f"B={B} L={L} trial {trial} rows {verdict.accepted_rows.tolist()}"
+        for a, b in ((src, src_t), (dst, dst_t), (gather, gather_t)):
+            assert a.dtype == b.dtype == torch.int64 and a.shape == b.shape, case
+            assert torch.equal(a, b), f"{case}\nfused {a}\ntorch {b}"
+        assert moved == moved_t, case
+        want = moves_by_hand(verdict.accepted_rows, starts, num_tokens)
+        assert (src.tolist(), dst.tolist(), gather.tolist(), moved) == want, case
+        assert state.take_gather_index(num_tokens) is not None
+        total_moved += moved
+    assert total_moved > 0 or L == 1  # at L = 1 the one accepted node is in place already
+
+
+def test_finish_verify_docstring_example(native):
+    """Rows start at 40, accepted nodes [0, 3, 7] -> src [-1, 44, 48], dst [-1, 42, 43]."""
+    state = TreeState(DDTreeOptions(budget=8, depth=3), torch.device("cpu"))
+    verdict = SimpleNamespace(accepted_rows=torch.tensor([[0, 1, 4, 8]]))
+    state.verify = SimpleNamespace(num_tokens=60, starts=torch.tensor([40]))
+
+    def finish():
+        src, dst = state.finish_verify(verdict)
+        return src.tolist(), dst.tolist(), state.gather_index[40:44].tolist()
+
+    fused, ref = both_paths(native, finish)
+    assert fused == ref == ([-1, 44, 48], [-1, 42, 43], [40, 41, 44, 48])
+    assert state.num_compacted_slots == 4  # two moves per path
+
+
+# ------------------------------------------------------------------------------- copy_slots_
+
+
+def layouts_of(caches, isa):
+    """vLLM's slot layout of each cache (learned from vLLM's writer, shared by the caches of
+    one configuration), each remembering its cache's shape."""
+    from vllm_ddtree.plugin.cpu_attention import cpu_kv_layout
+
+    layouts = [cpu_kv_layout(cache, isa) for cache in caches]
+    for layout, cache in zip(layouts, caches):
+        layout.shape = cache.shape
+    return layouts
+
+
+def copy_both_ways(native, layouts, slot_mapping, src_rows, dst_rows):
+    """The caches after ``copy_slots_`` (one call per distinct slot layout, as KVCompactor
+    groups them) and after ``copy_cpu_slots`` (skipped pairs as null-slot self-copies, as
+    KVCompactor.compact does), each from a copy of the caches."""
+    from vllm_ddtree.plugin.cpu_attention import NULL_SLOT, CPUKVLayout, copy_cpu_slots
+
+    results = []
+    for fused in (True, False):
+        copies = [CPUKVLayout(layout.flat.clone().view(layout.shape), layout.offsets)
+                  for layout in layouts]
+        if fused:
+            shared: dict[int, tuple] = {}
+            for copy in copies:
+                entry = shared.setdefault(id(copy.offsets), ([], copy.offsets.contiguous(),
+                                                             copy.slot_stride))
+                entry[0].append(copy.flat)
+            for flats, offsets, stride in shared.values():
+                native.ops.copy_slots_(flats, offsets, stride, slot_mapping, src_rows, dst_rows)
+        else:
+            skip = torch.minimum(src_rows, dst_rows) < 0
+            slots = slot_mapping[torch.stack((src_rows, dst_rows))].masked_fill_(skip, NULL_SLOT)
+            copy_cpu_slots(copies, slots)
+        results.append([copy.flat for copy in copies])
+    return results
+
+
+def random_cache(num_blocks, nkv, bs, d, dtype, gen):
+    return torch.randn(num_blocks, nkv, bs, 2 * d, generator=gen).to(dtype)
+
+
+def overlapping_pairs(num_rows: int, gen: torch.Generator):
+    """Query-row pairs (src, dst) with distinct destinations: chains shifting down by one and
+    two rows (row i + 1 -> i while i + 2 -> i + 1, ...), a swap, a self-copy, pairs with -1
+    on either side, and random moves."""
+    src = [5, 6, 7, 8, 20, 22, 24, 30, 31, 3, -1, 40, -1, 12, 50]
+    dst = [4, 5, 6, 7, 18, 20, 22, 31, 30, 3, 41, -1, -1, 11, 49]
+    free = [r for r in range(num_rows) if r not in dst]
+    pick = torch.randperm(len(free), generator=gen)[:10].tolist()
+    for k in pick:
+        dst.append(free[k])
+        src.append(int(torch.randint(0, num_rows, (1,), generator=gen)))
+    return torch.tensor(src), torch.tensor(dst)
+
+
+@pytest.mark.parametrize("isa,dtype,bs,nkv,d", [("vec", torch.float32, 16, 2, 32),
+                                                ("vec", torch.bfloat16, 32, 1, 64),
+                                                ("vec16", torch.float32, 16, 2, 48)])
+def test_copy_slots_equals_copy_cpu_slots(native, isa, dtype, bs, nkv, d):
+    gen = torch.Generator().manual_seed(bs + d)
+    num_blocks, num_rows = 8, 64
+    owned = bs + torch.randperm((num_blocks - 1) * bs, generator=gen)  # block 0: null block
+    slot_mapping = owned[:num_rows].contiguous()
+    caches = [random_cache(num_blocks, nkv, bs, d, dtype, gen) for _ in range(3)]
+    layouts = layouts_of(caches, isa)
+    assert len({id(layout.offsets) for layout in layouts}) == 1  # one shared layout
+    for trial in range(3):
+        src, dst = overlapping_pairs(num_rows, gen)
+        fused, ref = copy_both_ways(native, layouts, slot_mapping, src, dst)
+        for i, (a, b, before) in enumerate(zip(fused, ref, (lay.flat for lay in layouts))):
+            assert not torch.equal(a, before), "nothing moved"
+            assert torch.equal(a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                               b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), \
+                f"{isa} {dtype} cache {i} trial {trial}"
+    # only -1 pairs, or none: nothing changes
+    for src, dst in ((torch.tensor([-1, 3, -1]), torch.tensor([4, -1, -1])),
+                     (torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))):
+        fused, ref = copy_both_ways(native, layouts, slot_mapping, src, dst)
+        for a, b, before in zip(fused, ref, (lay.flat for lay in layouts)):
+            assert torch.equal(a, before) and torch.equal(b, before)
+
+
+def test_copy_slots_two_layouts_and_one_byte_elements(native):
+    """Caches of two slot layouts in one list each (KVCompactor makes one call per layout),
+    and a 1-byte cache on a float32 layout's offsets (element size 1)."""
+    from vllm_ddtree.plugin.cpu_attention import CPUKVLayout
+
+    gen = torch.Generator().manual_seed(5)
+    num_blocks, num_rows = 6, 64
+    a = layouts_of([random_cache(num_blocks, 2, 16, 32, torch.float32, gen) for _ in range(2)],
+                   "vec")
+    b = layouts_of([random_cache(num_blocks, 1, 16, 48, torch.float32, gen)], "vec16")
+    bytes_cache = torch.randint(0, 256, (num_blocks, 2, 16, 64), generator=gen,
+                                dtype=torch.uint8)
+    c = [CPUKVLayout(bytes_cache, a[0].offsets.clone())]  # same offsets, another tensor
+    c[0].shape = bytes_cache.shape
+    owned = 16 + torch.randperm((num_blocks - 1) * 16, generator=gen)
+    slot_mapping = owned[:num_rows].contiguous()
+    src, dst = overlapping_pairs(num_rows, gen)
+    for layouts in (a + b, c):
+        fused, ref = copy_both_ways(native, layouts, slot_mapping, src, dst)
+        for x, y in zip(fused, ref):
+            assert torch.equal(x, y)
+
+
+def test_copy_slots_refuses_bad_input(native):
+    offsets = torch.zeros(4, 8, dtype=torch.long)
+    cache = torch.zeros(64, dtype=torch.float64)
+    rows = torch.tensor([0])
+    with pytest.raises(RuntimeError, match="unsupported element size"):
+        native.ops.copy_slots_([cache], offsets, 8, torch.tensor([1, 2]), rows, rows + 1)
+    with pytest.raises(RuntimeError, match="row out of range"):
+        native.ops.copy_slots_([cache.float()], offsets, 8, torch.tensor([1, 2]), rows,
+                               rows + 2)
+
+
+# ---------------------------------------------------------------------------- proposal store
+
+
+def request(num_prompt, num_out, max_tokens, structured=False):
+    params = SimpleNamespace(max_tokens=max_tokens)
+    if structured:
+        params.structured_outputs = object()
+    return SimpleNamespace(num_tokens=num_prompt + num_out, output_token_ids=[0] * num_out,
+                           sampling_params=params)
+
+
+def verify_step(state: TreeState, req_ids, tree, requests, extra_rows=()):
+    """record_proposal -> clip_drafts -> begin_verify (exact, with token rows) -> walk ->
+    finish_verify, as the runner drives them. Returns what each stage produced."""
+    state.record_proposal(req_ids, tree)
+    latest = state._latest_nodes.clone()
+    drafts = [tree.token_ids[r].tolist() for r in range(len(req_ids))]
+    state.clip_drafts(req_ids, drafts, requests, max_model_len=1000)
+    num_draft = [len(ids) for ids in drafts]
+    extra = list(extra_rows) + [0] * (len(req_ids) - len(extra_rows))
+    sizes = [m + 1 + e for m, e in zip(num_draft, extra)]
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    row_req = np.repeat(np.arange(len(req_ids)), sizes)
+    row_pos = np.concatenate([np.arange(s) for s in sizes])
+    verify = state.begin_verify(req_ids, num_draft, torch.tensor(sum(drafts, []),
+                                                                 dtype=torch.long),
+                                starts.tolist(), int(sum(sizes)), scheduled=drafts,
+                                token_rows=(row_req, row_pos))
+    sampled = torch.zeros(len(req_ids), state.budget + 1, dtype=torch.long)
+    for r in range(len(req_ids)):  # follow each request's first path as deep as it goes
+        current = -1
+        for k in range(state.budget):
+            if verify.tree.parents[r, k] == current and verify.tree.depths[r, k] > 0:
+                sampled[r, current + 1] = verify.tree.token_ids[r, k]
+                current = k
+    verdict = walk(verify.tree, sampled)
+    src, dst = state.finish_verify(verdict)
+    return SimpleNamespace(latest=latest, drafts=drafts, verify=verify, verdict=verdict,
+                           src=src, dst=dst, gather=state.gather_index,
+                           moved=state.num_compacted_slots)
+
+
+def assert_steps_equal(fused, ref, what):
+    assert torch.equal(fused.latest, ref.latest) and fused.latest.dtype == torch.int16, what
+    assert fused.drafts == ref.drafts, what
+    fv, rv = fused.verify, ref.verify
+    assert fv.exact and rv.exact, what
+    assert_trees_equal(fv.tree, rv.tree, f"{what}: verify tree")
+    for name in ("matched", "position_shift", "starts"):
+        a, b = getattr(fv, name), getattr(rv, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{what}: {name}\nfused {a}\ntorch {b}"
+    assert (fv.num_draft, fv.query_start, fv.num_tokens) == (rv.num_draft, rv.query_start,
+                                                             rv.num_tokens), what
+    assert_verdicts_equal(fused.verdict, ref.verdict, what)
+    for name in ("src", "dst", "gather"):
+        assert torch.equal(getattr(fused, name), getattr(ref, name)), f"{what}: {name}"
+    assert fused.moved == ref.moved, what
+
+
+@pytest.mark.parametrize("B,L", [(12, 4), (24, 6), (64, 8)])
+def test_proposal_store_equals_the_torch_path(native, B, L):
+    """Two steps on two fresh TreeStates (fused / torch), same inputs: requests near
+    max_tokens (their proposals re-indexed), one without nodes, one with extra rows; the
+    store grows past its capacity; the second step re-proposes some requests into their
+    slots while another keeps its older proposal."""
+    gen = torch.Generator().manual_seed(B + L)
+    logits1 = random_logits("ties", 5, L, 7, gen) + torch.randn(5, L, 7, generator=gen)
+    budgets1 = torch.tensor([B, B, B // 2, 0, B])
+    logits2 = random_logits("zeros", 3, L, 9, gen)
+    budgets2 = torch.tensor([B, B - 1, 3])
+    requests = {
+        "a": request(2, 5, max_tokens=100),  # far from every limit
+        "b": request(2, 5, max_tokens=8),  # 3 more tokens: depth <= 2 (re-indexed)
+        "c": request(2, 5, max_tokens=7),  # 2 more tokens: depth <= 1 (re-indexed)
+        "d": request(2, 5, max_tokens=100),  # no nodes
+        "e": request(2, 5, max_tokens=9),  # depth <= 3 (re-indexed when L > 3)
+        "f": request(2, 0, max_tokens=4),  # 4 more tokens: depth <= 3
+    }
+
+    def run():
+        state = TreeState(DDTreeOptions(budget=B, depth=L), torch.device("cpu"),
+                          max_num_reqs=2)
+        first = verify_step(state, list("abcde"), build_tree(logits1, budgets1, B), requests,
+                            extra_rows=[0, 0, 0, 4])
+        second = verify_step(state, ["f", "b", "a"], build_tree(logits2, budgets2, B),
+                             requests)
+        return first, second
+
+    (f1, f2), (r1, r2) = both_paths(native, run)
+    assert_steps_equal(f1, r1, f"B={B} L={L} step 1")
+    assert_steps_equal(f2, r2, f"B={B} L={L} step 2")
+    assert f1.verify.tree.num_nodes.tolist()[3] == 0
+    usable = {"b": 2, "c": 1, "e": 3, "f": 3}  # the depth each request can still accept
+    for step, req_ids, budgets in ((f1, "abcde", budgets1), (f2, "fba", budgets2)):
+        depths = step.verify.tree.depths
+        for r, req_id in enumerate(req_ids):
+            assert int(depths[r].max()) <= usable.get(req_id, L), (req_id, depths[r])
+        clipped = [len(ids) < int(n) for ids, n in zip(step.drafts, budgets)]
+        assert any(clipped), "some request must lose nodes near its end"
+    for step in (f1, f2):  # the verify trees' ancestor rows follow their parents
+        tree = step.verify.tree
+        assert torch.equal(tree.ancestor_mask, _ancestor_mask(tree.parents, B))
+
+
+@pytest.mark.parametrize("L", [2, 3, 4, 5, 9])
+def test_reindexed_chain_of_full_depth(native, L):
+    """A structured-output request drafts its tree's best path as a chain (re-indexed even far
+    from its end); with a peaked draft the path has L nodes. The verify tree's ancestor rows
+    must hold the whole path on both paths. Oracle: the rows rebuilt from the parents over
+    all B levels.
+
+    NOTE (found with this test): the torch path of ``TreeState._reindex_proposals`` rebuilds
+    the rows with ``_ancestor_mask(parents, self.depth - 1)`` ("kept nodes are shallower than
+    L"), i.e. ``(L - 2).bit_length()`` rounds of pointer jumping, which cover paths of up to
+    ``2 ** rounds`` nodes; a best path of L nodes (kept whole: the request is far from its
+    end) then loses its depth-1 ancestor in the deepest node's row when L is 2, 3, 5, 9, 17,
+    ... The fused ``reindex_trees_`` copies the parent's row and is right."""
+    B = 12
+    gen = torch.Generator().manual_seed(L)
+    logits = torch.randn(2, L, 6, generator=gen)
+    logits[1, :, 0] += 8  # request "s": a path of L nodes is its best one
+    requests = {"a": request(2, 5, max_tokens=100),
+                "s": request(2, 5, max_tokens=100, structured=True)}
+
+    def run():
+        state = TreeState(DDTreeOptions(budget=B, depth=L), torch.device("cpu"))
+        return verify_step(state, ["a", "s"], build_tree(logits, B), requests)
+
+    fused, ref = both_paths(native, run)
+    assert fused.drafts[1] == [0] * L
+    assert fused.verify.tree.parents[1, :L].tolist() == list(range(-1, L - 1))
+    oracle = _ancestor_mask(fused.verify.tree.parents, B)
+    assert torch.equal(fused.verify.tree.ancestor_mask, oracle), "fused path"
+    assert torch.equal(ref.verify.tree.ancestor_mask, oracle), (
+        f"torch path (_reindex_proposals) at L={L}: chain mask rows "
+        f"{ref.verify.tree.ancestor_mask[1, :L + 1, 0].tolist()}, expected "
+        f"{oracle[1, :L + 1, 0].tolist()}")
+    assert_steps_equal(fused, ref, f"chain L={L}")
+
+
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
+def test_tree_attention_info_equals_the_torch_twin(native, table_dtype):
+    """The CPU backend's per-step tree rows (query rows, validity, K/V slots, masks) from the
+    packed ancestor rows equal :func:`tree_attention_info`'s from the dense mask: requests with
+    unequal node counts and one without nodes, scattered blocks, a block table wider than
+    needed, trees with padding (budgets below the width)."""
+    from vllm_ddtree.plugin.cpu_attention import TreeAttentionInfo, tree_attention_info
+
+    bs, width = 16, 40
+    gen = torch.Generator().manual_seed(11)
+    num_draft = [3, 0, 37, 12]
+    ctx = [5, 30, 70, 0]
+    tree = build_tree(torch.randn(4, 6, 50, generator=gen), torch.tensor(num_draft),
+                      max_budget=width)
+    seq_lens = [c + m + 1 for c, m in zip(ctx, num_draft)]
+    block_table = torch.randperm(40, generator=gen)[:32].view(4, 8).to(table_dtype)
+    starts = list(np.cumsum([0] + [m + 1 for m in num_draft[:-1]]))
+    requests = [(r, int(starts[r]), m) for r, m in enumerate(num_draft) if m > 0]
+    want = tree_attention_info(tree.dense_mask(), requests, seq_lens, block_table, bs)
+    table = torch.tensor([(r, start, m, seq_lens[r]) for r, start, m in requests])
+    got = TreeAttentionInfo(*native.ops.tree_attention_info(table, tree.ancestor_mask,
+                                                            block_table, bs))
+    for name in ("rows", "valid", "slots", "mask"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+ATTENTION_CASES = [("vec", torch.float32, 16, 2, 32, 3), ("vec16", torch.bfloat16, 16, 2, 32, 2),
+                   ("vec", torch.bfloat16, 32, 1, 64, 4)]
+if torch.cpu._is_amx_tile_supported():
+    ATTENTION_CASES.append(("amx", torch.bfloat16, 32, 2, 32, 2))
+
+
+@pytest.mark.parametrize("isa,dtype,bs,nkv,d,group", ATTENTION_CASES)
+def test_tree_attention_equals_the_torch_twin(native, isa, dtype, bs, nkv, d, group):
+    """The fused node-row attention over vLLM's paged CPU cache (written by vLLM's own writer)
+    equals :func:`tree_rows_attention` over the layout's gathers (the torch path), row by
+    row, within float32 rounding (bf16: one bf16 step); the root rows and rows of requests
+    without nodes stay untouched."""
+    from vllm_ddtree.plugin.cpu_attention import (
+        _write_with_vllm, cpu_kv_layout, tree_attention_info, tree_rows_attention)
+
+    heads, budget, num_blocks = nkv * group, 8, 24
+    gen = torch.Generator().manual_seed(3)
+    ctx, num_draft = [5, 30, 40, 0], [3, 0, 8, 5]
+    tree = build_tree(torch.randn(4, 4, 50, generator=gen), torch.tensor(num_draft),
+                      max_budget=budget)
+    seq_lens = [c + m + 1 for c, m in zip(ctx, num_draft)]
+    block_table = torch.randperm(num_blocks, generator=gen)[:16].view(4, 4).to(torch.int32)
+    starts = list(np.cumsum([0] + [m + 1 for m in num_draft[:-1]]))
+    num_rows = int(starts[-1]) + num_draft[-1] + 1
+    slots = torch.cat([block_table[r, p // bs].long() * bs + p % bs
+                       for r, p in enumerate(torch.arange(n) for n in seq_lens)])
+    k = torch.randn(sum(seq_lens), nkv, d, generator=gen).to(dtype)
+    v = torch.randn(sum(seq_lens), nkv, d, generator=gen).to(dtype)
+    cache = _write_with_vllm(isa, dtype, num_blocks, bs, nkv, d, k, v, slots)
+    q = torch.randn(num_rows, heads, d, generator=gen).to(dtype)
+    requests = [(r, int(starts[r]), m) for r, m in enumerate(num_draft) if m > 0]
+    info = tree_attention_info(tree.dense_mask(), requests, seq_lens, block_table, bs)
+    layout = cpu_kv_layout(cache, isa)
+    k_index, v_index = layout.index(info.slots)
+    flat = cache.view(-1)
+    want = tree_rows_attention(q[info.rows], flat[k_index], flat[v_index], info.mask, 0.3, isa)
+
+    out = torch.full_like(q, 7.0)
+    native.ops.tree_attention_(out, q, flat, layout.offsets, layout.slot_stride, info.rows,
+                               info.valid, info.slots, info.mask, 0.3,
+                               isa == "amx" and dtype == torch.bfloat16)
+    tol = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out[info.rows[info.valid]].float(), want[info.valid].float(), **tol)
+    untouched = torch.ones(num_rows, dtype=torch.bool)
+    untouched[info.rows[info.valid]] = False
+    assert bool((out[untouched] == 7.0).all())
