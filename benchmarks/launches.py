@@ -20,7 +20,8 @@ a GPU. Triton launches: none on the CPU (the CUDA path's kernels run only there)
 Stages (ddtree): draft post-processing (the drafter's logits to the recorded proposal, without
 the tree build), tree build (``build_tree``, auto's budget function included), verify batch
 (the verify trees and depth positions, ``_prepare_inputs`` less vLLM's own), sampler and walk
-(``TreeRejectionSampler``), finish verify (``_sample`` less the sampler: finish_verify, the
+(``TreeRejectionSampler``), finish verify (``_sample`` less the samplers, vLLM's included: it
+samples the steps without drafts, as it does for ``dflash``; finish_verify, the
 calibration), compaction (``KVCompactor.compact``), hand-off (draft ids to the scheduler,
 ``take_draft_token_ids`` / ``propose_draft_token_ids`` / ``sample_tokens`` less vLLM's own).
 Stages (dflash): sampler (vLLM's ``RejectionSampler``), draft post-processing (its
@@ -138,6 +139,7 @@ def label_wrapper(counter: Counter, owner, name: str, stage: str, inner: str = "
 
 
 def instrument_ddtree(counter: Counter) -> None:
+    from vllm.v1.sample.sampler import Sampler
     from vllm.v1.spec_decode.dflash import DFlashProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -162,6 +164,8 @@ def instrument_ddtree(counter: Counter) -> None:
     proposer.build_tree = staged_build_tree
     label_wrapper(counter, GPUModelRunner, "_prepare_inputs", "verify batch")
     label_wrapper(counter, GPUModelRunner, "_sample", "finish verify")
+    # vLLM's own sampler (steps without drafts, e.g. prefills) is vLLM's work, as for dflash
+    label(counter, Sampler, "forward", "vllm")
     label(counter, sampler.TreeRejectionSampler, "forward", "sampler and walk")
     label(counter, KVCompactor, "compact", "compaction")
     for name in ("take_draft_token_ids", "propose_draft_token_ids", "sample_tokens"):

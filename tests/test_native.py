@@ -275,6 +275,15 @@ def test_walk_chains_and_empty_rows(native):
         assert_verdicts_equal(fused, ref, f"chains, trial {trial}")
         if trial == 0:
             assert fused.num_accepted.tolist() == [9, 5, 0, 1, 9, 3]
+        # vLLM's layout of the output: narrower, as wide and wider than the L + 1 columns
+        for out_width in (4, width + 1, width + 3):
+            fused, ref = both_paths(native, lambda: walk(tree, sampled, out_width))
+            assert fused.sampled_token_ids.dtype == ref.sampled_token_ids.dtype == torch.int32
+            assert torch.equal(fused.sampled_token_ids, ref.sampled_token_ids), out_width
+            keep = min(out_width, width + 1)
+            assert torch.equal(fused.sampled_token_ids[:, :keep].long(),
+                               fused.output_tokens[:, :keep])
+            assert bool((fused.sampled_token_ids[:, keep:] == -1).all())
     empty = hand_tree([[-1] * 4] * 2, [[-1] * 4] * 2, max_depth=3)
     sampled = torch.randint(0, 5, (2, 5), generator=gen)
     fused, ref = both_paths(native, lambda: walk(empty, sampled))

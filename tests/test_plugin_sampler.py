@@ -62,8 +62,8 @@ def test_warmup_batch_walks_the_widest_tree_not_the_budget(monkeypatch):
     """
     seen = []
     real_walk = sampler_module.walk
-    monkeypatch.setattr(sampler_module, "walk",
-                        lambda tree, sampled: seen.append(sampled.shape) or real_walk(tree, sampled))
+    monkeypatch.setattr(sampler_module, "walk", lambda tree, sampled, *rest: (
+        seen.append(sampled.shape) or real_walk(tree, sampled, *rest)))
     state = TreeState(DDTreeOptions(budget=1024, depth=15), torch.device("cpu"))
     num_reqs, vocab = 256, 64
     drafts = [[int(t)] for t in torch.randint(0, vocab, (num_reqs,))]

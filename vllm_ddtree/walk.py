@@ -46,6 +46,9 @@ class TreeVerdict:
     bonus_token: torch.Tensor  # [batch] int64
     output_tokens: torch.Tensor  # [batch, L + 1] int64: accepted tokens, bonus, -1 padded
     accepted_rows: torch.Tensor  # [batch, L + 1] int64 query rows: 0, then node + 1, -1 padded
+    # vLLM's layout of the output, when asked for (walk's out_width): [batch, out_width] int32,
+    # output_tokens then -1
+    sampled_token_ids: torch.Tensor | None = None
 
 
 @lru_cache(maxsize=64)
@@ -59,7 +62,7 @@ def _walk_tables(num_nodes: int, depth: int, device: torch.device):
     return node_rows, slot_floor, bit_shifts
 
 
-def walk(tree: DraftTree, sampled: torch.Tensor) -> TreeVerdict:
+def walk(tree: DraftTree, sampled: torch.Tensor, out_width: int | None = None) -> TreeVerdict:
     """Accept the longest tree path that agrees with the target samples.
 
     On the :class:`TreeVerdict` example (y = [7, 1, 4, 2, 8]): the matches of nodes 0..3 are
@@ -71,6 +74,8 @@ def walk(tree: DraftTree, sampled: torch.Tensor) -> TreeVerdict:
     Args:
         tree: the batch of trees (B nodes each).
         sampled: ``[batch, B + 1]`` target token sampled at each position (row 0 = root).
+        out_width: also lay the output out as vLLM's sampler output ``[batch, out_width]``
+            int32 (:attr:`TreeVerdict.sampled_token_ids`).
     """
     batch, num_nodes = tree.token_ids.shape
     if sampled.shape != (batch, num_nodes + 1):
@@ -78,7 +83,9 @@ def walk(tree: DraftTree, sampled: torch.Tensor) -> TreeVerdict:
     depth = tree.max_depth
     ops = cpu_ops(sampled.device)
     if ops is not None:  # the fused CPU kernel: one op (nodes in best-first order)
-        return TreeVerdict(*ops.walk(tree.token_ids, tree.parents, sampled.long(), depth))
+        *fields, emitted = ops.walk(tree.token_ids, tree.parents, sampled.long(), depth,
+                                    out_width or 0)
+        return TreeVerdict(*fields, sampled_token_ids=emitted if out_width else None)
     node_rows, slot_floor, bit_shifts = _walk_tables(num_nodes, depth, sampled.device)
     sampled = sampled.long()
     # Padding nodes carry token -1, which no sample equals: they always fail.
@@ -95,12 +102,19 @@ def walk(tree: DraftTree, sampled: torch.Tensor) -> TreeVerdict:
     kept = path_rows >= slot_floor  # [batch, L + 1] the root, then the reached depths
     num_accepted = kept[:, 1:].sum(dim=1)
     output_tokens = torch.where(kept, sampled.gather(1, path_rows), PLACEHOLDER_TOKEN_ID)
+    emitted = None
+    if out_width:
+        emitted = torch.full((batch, out_width), PLACEHOLDER_TOKEN_ID, dtype=torch.int32,
+                             device=sampled.device)
+        keep = min(out_width, depth + 1)
+        emitted[:, :keep] = output_tokens[:, :keep]
     return TreeVerdict(
         accepted_nodes=path_rows[:, 1:] - 1,  # an empty slot's row 0 -> -1
         num_accepted=num_accepted,
         bonus_token=output_tokens.gather(1, num_accepted[:, None]).squeeze(1),
         output_tokens=output_tokens,
         accepted_rows=torch.where(kept, path_rows, -1),
+        sampled_token_ids=emitted,
     )
 
 

@@ -197,10 +197,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> first_nodes(
 // The walk: from the root, move to the child whose token is the target's sample at the current
 // row, while there is one (nodes are in an order where parents precede their children;
 // siblings carry distinct tokens). sampled: [R, B + 1] int64, row 0 = the root.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> walk(const Tensor& tokens,
-                                                        const Tensor& parents,
-                                                        const Tensor& sampled,
-                                                        int64_t max_depth) {
+// Also returns vLLM's layout of the emitted tokens, [R, out_width] int32: the output tokens,
+// then -1.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> walk(const Tensor& tokens,
+                                                                const Tensor& parents,
+                                                                const Tensor& sampled,
+                                                                int64_t max_depth,
+                                                                int64_t out_width) {
   for (auto* t : {&tokens, &parents, &sampled}) {  // rows may be strided (a tree's first nodes)
     TORCH_CHECK(t->device().is_cpu() && t->dim() == 2 && t->stride(1) == 1,
                 "walk: tokens, parents and sampled must be CPU [R, *] with contiguous rows");
@@ -216,6 +219,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> walk(const Tensor& tokens,
   Tensor bonus = at::empty({R}, opts);
   Tensor output_tokens = at::empty({R, L + 1}, opts);
   Tensor accepted_rows = at::empty({R, L + 1}, opts);
+  Tensor emitted = at::empty({R, out_width}, opts.dtype(at::kInt));
+  int32_t* em = emitted.data_ptr<int32_t>();
   const int64_t* tk = tokens.data_ptr<int64_t>();
   const int64_t* pa = parents.data_ptr<int64_t>();
   const int64_t* sa = sampled.data_ptr<int64_t>();
@@ -248,8 +253,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> walk(const Tensor& tokens,
       if (!kept) rows[j] = -1;
     }
     bo[r] = y[rows[n]];
+    for (int64_t j = 0; j < out_width; ++j) {
+      em[r * out_width + j] = j <= L ? static_cast<int32_t>(ot[r * (L + 1) + j]) : -1;
+    }
   }
-  return {accepted_nodes, num_accepted, bonus, output_tokens, accepted_rows};
+  return {accepted_nodes, num_accepted, bonus, output_tokens, accepted_rows, emitted};
 }
 
 // TreeState.finish_verify: accepted node rows (within each request's block) -> the K/V moves
@@ -749,8 +757,8 @@ TORCH_LIBRARY(ddtree, m) {
   m.def("first_nodes(Tensor tokens, Tensor parents, Tensor depths, Tensor scores, "
         "Tensor num_nodes, Tensor mask, Tensor budgets) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("walk(Tensor tokens, Tensor parents, Tensor sampled, int max_depth) -> "
-        "(Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("walk(Tensor tokens, Tensor parents, Tensor sampled, int max_depth, int out_width) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("finish_verify(Tensor accepted_rows, Tensor starts, int num_tokens, Tensor(a!) moved) "
         "-> (Tensor, Tensor, Tensor)");
   m.def("store_trees_(Tensor(a!) nodes, Tensor(b!) scores, Tensor(c!) mask, Tensor slots, "

@@ -52,7 +52,6 @@ from vllm.v1.sample.sampler import Sampler
 from vllm_ddtree.plugin.features import TreeFeatures
 from vllm_ddtree.plugin.state import TreeState, to_device
 from vllm_ddtree.sampling import (
-    PLACEHOLDER_TOKEN_ID,
     RowSampling,
     SamplingBatch,
     cached_arange,
@@ -182,16 +181,14 @@ class TreeRejectionSampler(nn.Module):
             sampled.index_copy_(0, *sample_seeded(logits, seeded, requests, sampling_metadata,
                                                   state.sample_positions, features))
         rows_index = None
+        # vLLM's layout: [R, max_spec_len + 1] int32, the walk's output then -1
+        out_width = metadata.max_spec_len + 1
         if len(set(num_draft)) == 1:  # request r owns rows r (width + 1) .. (r + 1)(width + 1) - 1
-            verdict = walk(tree, sampled.reshape(len(num_draft), width + 1))
+            verdict = walk(tree, sampled.reshape(len(num_draft), width + 1), out_width)
         else:
             rows_index = verify_rows(metadata.cu_num_sampled_tokens, width)  # [R, width + 1]
-            verdict = walk(tree, sampled[rows_index])
-        # vLLM's layout: [R, max_spec_len + 1] int32, the walk's output then -1
-        out = torch.full((tree.token_ids.shape[0], metadata.max_spec_len + 1),
-                         PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=logits.device)
-        keep = min(out.shape[1], verdict.output_tokens.shape[1])
-        out[:, :keep] = verdict.output_tokens[:, :keep]
+            verdict = walk(tree, sampled[rows_index], out_width)
+        out = verdict.sampled_token_ids
         state.verdict = verdict
         if (state.options.mode == "hsd_chain" and verify.draft_law is not None
                 and width == state.budget and sampling is not None and features is None):
