@@ -302,7 +302,7 @@ def test_walk_refuses_a_parent_after_its_child(native):
     with pytest.raises(RuntimeError, match="parents must precede"):
         walk(tree, torch.tensor([[4, 0, 3]]))
     with pytest.raises(RuntimeError, match="parents must precede"):  # a self-loop
-        native.ops.walk(torch.tensor([[3]]), torch.tensor([[0]]), torch.tensor([[3, 3]]), 1)
+        native.ops.walk(torch.tensor([[3]]), torch.tensor([[0]]), torch.tensor([[3, 3]]), 1, 0)
 
 
 # ----------------------------------------------------------------------------- finish_verify

@@ -55,6 +55,20 @@ struct Later {  // std::priority_queue pops the largest: "largest" = the latest 
   }
 };
 
+// Node i of a tree (field pointers at node 0, mask rows at the root's row) becomes padding:
+// token -1, parent -1, depth 0, score -inf, mask row {root, itself}.
+void set_padding(int64_t* tokens, int64_t* parents, int64_t* depths, float* scores,
+                 uint32_t* rows, int64_t W, int64_t i) {
+  tokens[i] = -1;
+  parents[i] = -1;
+  depths[i] = 0;
+  scores[i] = -std::numeric_limits<float>::infinity();
+  uint32_t* row = rows + (i + 1) * W;
+  std::memset(row, 0, sizeof(uint32_t) * W);
+  row[0] = 1u;
+  row[(i + 1) / 32] |= 1u << ((i + 1) % 32);
+}
+
 // values/ids: [R, L, k] top-k log-probabilities and token ids in any order (torch.topk's);
 // each (request, depth) row is ranked by (value desc, id asc) first. Returns the tree of the
 // `budget` most probable prefixes (fewer when fewer have probability > 0), padded to
@@ -136,15 +150,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> build_tree(
       ++n;
     }
     out_num[r] = n;
-    for (int64_t i = n; i < B; ++i) {
-      rt[i] = -1;
-      rp[i] = -1;
-      rd[i] = 0;
-      rs[i] = neg_inf;
-      uint32_t* row = rm + (i + 1) * W;
-      row[0] |= 1u;
-      row[(i + 1) / 32] |= 1u << ((i + 1) % 32);
-    }
+    for (int64_t i = n; i < B; ++i) set_padding(rt, rp, rd, rs, rm, W, i);
   }
   return {tokens, parents, depths, scores, num_nodes, mask};
 }
@@ -175,19 +181,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> first_nodes(
   float* rs = outputs[3].data_ptr<float>();
   int64_t* num = outputs[4].data_ptr<int64_t>();
   uint32_t* rm = reinterpret_cast<uint32_t*>(outputs[5].data_ptr<int32_t>());
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < R; ++r) {
     const int64_t keep = std::max<int64_t>(0, std::min(bud[r], num[r]));
     for (int64_t i = keep; i < num[r]; ++i) {
-      const int64_t k = r * B + i;
-      rt[k] = -1;
-      rp[k] = -1;
-      rd[k] = 0;
-      rs[k] = neg_inf;
-      uint32_t* row = rm + (r * (B + 1) + i + 1) * W;
-      std::memset(row, 0, sizeof(uint32_t) * W);
-      row[0] |= 1u;
-      row[(i + 1) / 32] |= 1u << ((i + 1) % 32);
+      set_padding(rt + r * B, rp + r * B, rd + r * B, rs + r * B, rm + r * (B + 1) * W, W, i);
     }
     num[r] = keep;
   }
@@ -418,7 +415,6 @@ void reindex_trees_(Tensor nodes, Tensor scores, Tensor mask, const Tensor& plan
   int64_t* nb = nodes.data_ptr<int64_t>();
   float* sb = scores.data_ptr<float>();
   uint32_t* mb = reinterpret_cast<uint32_t*>(mask.data_ptr<int32_t>());
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   std::vector<int64_t> old_nodes(3 * B), renumber(B);
   std::vector<float> old_scores(B);
   for (int64_t q = 0; q < plan.size(0); ++q) {
@@ -433,30 +429,25 @@ void reindex_trees_(Tensor nodes, Tensor scores, Tensor mask, const Tensor& plan
     std::memcpy(old_nodes.data(), tok, sizeof(int64_t) * 3 * B);
     std::memcpy(old_scores.data(), sc, sizeof(float) * B);
     std::fill(renumber.begin(), renumber.end(), -1);
-    std::memset(rows + W, 0, sizeof(uint32_t) * B * W);
     for (int64_t j = 0; j < B; ++j) {
       const int64_t old = keep[j];
-      uint32_t* row = rows + (j + 1) * W;
-      if (old < 0) {  // padding
-        tok[j] = -1;
-        par[j] = -1;
-        dep[j] = 0;
-        sc[j] = neg_inf;
-        row[0] = 1u;
-      } else {
-        TORCH_CHECK(old < B, "reindex_trees_: node index out of range");
-        renumber[old] = j;
-        const int64_t old_parent = old_nodes[B + old];
-        const int64_t parent = old_parent < 0 ? -1 : renumber[old_parent];
-        TORCH_CHECK(old_parent < 0 || parent >= 0,
-                    "reindex_trees_: a kept node's parent must be kept before it");
-        tok[j] = old_nodes[old];
-        par[j] = parent;
-        dep[j] = old_nodes[2 * B + old];
-        sc[j] = old_scores[old];
-        const uint32_t* above = rows + (parent + 1) * W;
-        for (int64_t w = 0; w < W; ++w) row[w] = above[w];
+      if (old < 0) {
+        set_padding(tok, par, dep, sc, rows, W, j);
+        continue;
       }
+      TORCH_CHECK(old < B, "reindex_trees_: node index out of range");
+      renumber[old] = j;
+      const int64_t old_parent = old_nodes[B + old];
+      const int64_t parent = old_parent < 0 ? -1 : renumber[old_parent];
+      TORCH_CHECK(old_parent < 0 || parent >= 0,
+                  "reindex_trees_: a kept node's parent must be kept before it");
+      tok[j] = old_nodes[old];
+      par[j] = parent;
+      dep[j] = old_nodes[2 * B + old];
+      sc[j] = old_scores[old];
+      uint32_t* row = rows + (j + 1) * W;
+      const uint32_t* above = rows + (parent + 1) * W;  // written already: parent < j
+      for (int64_t w = 0; w < W; ++w) row[w] = above[w];
       row[(j + 1) / 32] |= 1u << ((j + 1) % 32);
     }
   }

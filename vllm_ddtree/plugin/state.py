@@ -235,6 +235,7 @@ class TreeState:
             raise ValueError("ddtree: the drafting depth must be resolved before the runner starts")
         self.options = options
         self.device = device
+        cpu_ops(device)  # the fused CPU kernels load (or build) at engine start, not mid-step
         pad_mask = _verify_constants(options.budget, options.depth, device)[4]
         # a padding node's (token, parent, depth): the "nodes" rows of the store's empty row
         self._padding_node = torch.tensor([[PADDING_TOKEN_ID], [-1], [0]], device=device)
