@@ -11,9 +11,10 @@ context K/V from the gathered hidden states every step (see ``proposer.py``).
 CPU kernel ISA, drops duplicates (KV-sharing layers alias another layer's cache: moving it twice
 would be harmless but wasted work), and uploads one pointer table per group on CUDA, or
 builds each cache's slot layout on the CPU. A step then costs a few ops on the pairs, one
-gather of each group's slot mapping and one ``compact_kv`` launch per group on CUDA (one gather
-and one scatter per layer cache on the CPU, vLLM allocating one tensor per layer), with no host
-synchronisation and no host-to-device copy.
+gather of each group's slot mapping and one ``compact_kv`` launch per group on CUDA, and one
+fused op per slot layout on the CPU (``copy_slots_``; its torch twin runs one gather and one
+scatter per layer cache, vLLM allocating one tensor per layer), with no host synchronisation
+and no host-to-device copy.
 """
 
 from __future__ import annotations
