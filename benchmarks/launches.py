@@ -1,7 +1,7 @@
 """Kernel-launching ops per verify step, per stage, of ddtree's plugin and of vLLM's ``dflash``.
 
     .venv/bin/python benchmarks/launches.py [--budgets 16 64 256] [--requests 1 8]
-        [--out benchmarks/results/launches_cpu.json]
+        [--policy static|auto] [--out benchmarks/results/launches_cpu.json]
 
 On a GPU every op below is a kernel launch; on this CPU each is part of a step's fixed cost.
 One ``TorchDispatchMode`` sees every aten op while ``LLM.generate`` runs (in-process engine,
@@ -208,14 +208,16 @@ def label_lm_heads(counter: Counter, llm) -> None:
 
 
 def run_one(method: str, budget: int, num_requests: int, temperature: float,
-            max_tokens: int) -> dict:
+            max_tokens: int, policy: str = "static") -> dict:
     """One configuration in this process (the instrumentation patches classes: one per process)."""
     from vllm import SamplingParams
     from vllm_utils import DRAFTER, close, ddtree_spec, make_llm
 
     counter = Counter()
     if method == "ddtree":
-        spec = ddtree_spec(budget)  # static: every verify step has trees of B nodes
+        # static: every verify step has trees of B nodes; auto: its budget function and
+        # calibration count too (steps it pauses verify nothing and are not counted)
+        spec = ddtree_spec(budget, ddtree_budget_policy=policy)
         instrument_ddtree(counter)
     else:
         spec = {"method": "dflash", "model": DRAFTER, "num_speculative_tokens": budget}
@@ -240,8 +242,8 @@ def run_one(method: str, budget: int, num_requests: int, temperature: float,
     per_stage = {stage: round(n / steps, 1) for stage, n in sorted(counter.ops.items())}
     top_ops = {stage: dict(ops.most_common(40)) for stage, ops in counter.by_op.items()}
     return {
-        "method": method, "budget": budget, "requests": num_requests, "temperature": temperature,
-        "verify_steps": counter.verify_steps,
+        "method": method, "budget": budget, "policy": policy if method == "ddtree" else None,
+        "requests": num_requests, "temperature": temperature, "verify_steps": counter.verify_steps,
         "launches_per_verify_step": round(sum(counter.ops.values()) / steps, 1),
         "per_stage": per_stage,
         "host_tensors_per_verify_step": round(sum(counter.host_tensors.values()) / steps, 1),
@@ -277,6 +279,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--policy", default="static", choices=["static", "auto"],
+                        help="ddtree's budget policy (B is then the largest tree)")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                       "launches_cpu.json"))
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one configuration as JSON
@@ -290,7 +294,7 @@ def main() -> None:
     for (method, budget), reqs, temp in ((c, r, t) for c in configs for r in args.requests
                                           for t in args.temperatures):
         one = json.dumps({"method": method, "budget": budget, "num_requests": reqs,
-                          "temperature": temp})
+                          "temperature": temp, "policy": args.policy})
         start = time.time()
         result = run_child(__file__, one, ["--max-tokens", str(args.max_tokens)])
         results.append(result)

@@ -714,3 +714,58 @@ def test_tree_attention_equals_the_torch_twin(native, isa, dtype, bs, nkv, d, gr
     untouched = torch.ones(num_rows, dtype=torch.bool)
     untouched[info.rows[info.valid]] = False
     assert bool((out[untouched] == 7.0).all())
+
+
+@pytest.mark.parametrize("versus_plain", [True, False])
+def test_auto_budget_function_equals_the_torch_path(native, versus_plain):
+    """auto's budget function (calibrated gains, global ranking, the cost model's best k, the
+    plain-decoding comparison) as one fused op gives the torch path's budgets: random trees,
+    calibrations, cost curves, scales, sampled and incomplete requests."""
+    from vllm_ddtree.budget import Calibration, CostModel, budget_function
+
+    gen = torch.Generator().manual_seed(21)
+    for trial in range(30):
+        num_reqs, width, depth = 1 + trial % 5, (8, 16, 64)[trial % 3], 1 + trial % 7
+        logits = torch.randn(num_reqs, depth, 40, generator=gen) * (1 + trial % 4)
+        tree = build_tree(logits, width)
+        calibration = Calibration(depth, torch.device("cpu"))
+        calibration.predicted.copy_(torch.rand(2, depth, generator=gen, dtype=torch.float64) * 5)
+        calibration.observed.copy_(torch.rand(2, depth, generator=gen, dtype=torch.float64) * 5)
+        tokens = sorted(set(torch.randint(1, 600, (5,), generator=gen).tolist()))
+        seconds = sorted((torch.rand(len(tokens), generator=gen) * 0.02 + 0.001).tolist())
+        cost = CostModel(tuple(tokens), tuple(seconds), (1, 8), (0.002, 0.004 + trial * 1e-4))
+        sampled = torch.rand(num_reqs, generator=gen) < 0.5
+        complete = None if trial % 3 else torch.rand(num_reqs, generator=gen) < 0.7
+        scales = dict(on_scale=0.5 + trial / 20, off_scale=0.8 + trial / 40)
+
+        def budgets():
+            fn = budget_function(cost, calibration, sampled, complete,
+                                 versus_plain=versus_plain, **scales)
+            return fn(tree.scores, tree.depths)
+
+        fused, ref = both_paths(native, budgets)
+        assert fused.dtype == ref.dtype == torch.int64
+        assert torch.equal(fused, ref), (trial, fused, ref)
+
+
+def test_calibration_observe_equals_the_torch_path(native):
+    """Calibration.observe as one fused op: the same decayed per-depth sums (float64, within
+    an ulp of exp), greedy and sampled rows apart, uncounted rows ignored."""
+    from vllm_ddtree.budget import Calibration
+
+    gen = torch.Generator().manual_seed(4)
+
+    def run():
+        calibration = Calibration(5, torch.device("cpu"), decay=0.9)
+        for step in range(12):
+            tree = build_tree(torch.randn(4, 5, 30, generator=torch.Generator().manual_seed(step)),
+                              torch.tensor([16, 3, 0, 9]), max_budget=16)
+            calibration.observe(tree.scores, tree.depths, torch.tensor([2, 0, 0, 5]),
+                                torch.tensor([True, True, False, True]),
+                                torch.tensor([step % 2 == 0, True, False, False]))
+        return calibration.predicted, calibration.observed
+
+    (p1, o1), (p2, o2) = both_paths(native, run)
+    torch.testing.assert_close(p1, p2, rtol=1e-13, atol=0)
+    assert torch.equal(o1, o2)
+    assert bool((p1 > 0).any())

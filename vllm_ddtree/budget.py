@@ -31,7 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CostModel", "Calibration", "TablePolicy", "auto_budgets"]
+from vllm_ddtree.kernels.native import cpu_ops
+
+__all__ = ["CostModel", "Calibration", "TablePolicy", "auto_budgets", "budget_function"]
 
 
 def _interpolate(x: torch.Tensor, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
@@ -155,6 +157,12 @@ class Calibration:
             counted: ``[R]`` bool, the rows to count (trees that were the drafter's proposal).
             sampled: ``[R]`` bool, the request samples (T > 0).
         """
+        ops = cpu_ops(scores.device)
+        if ops is not None:  # the fused CPU kernel: one op
+            ops.calibration_observe_(self.predicted, self.observed, scores.contiguous(),
+                                     depths.contiguous(), num_accepted.contiguous(),
+                                     counted.contiguous(), sampled.contiguous(), self.decay)
+            return
         num_reqs = scores.shape[0]
         level = torch.arange(1, self.depth + 1, device=scores.device)
         mass = torch.zeros(num_reqs, self.depth + 1, dtype=torch.float64, device=scores.device)
@@ -217,6 +225,43 @@ def auto_budgets(gains: torch.Tensor, cost: CostModel, on_scale: float = 1.0,
     rank[order] = torch.arange(order.numel(), device=device)
     chosen = (rank < keep).view(num_reqs, width)
     return chosen.sum(dim=1)
+
+
+def budget_function(cost: CostModel, calibration: Calibration, sampled: torch.Tensor,
+                    complete: torch.Tensor | None = None, on_scale: float = 1.0,
+                    off_scale: float = 1.0, versus_plain: bool = True):
+    """auto's ``build_tree`` budget for one step: ``fn(scores, depths) -> [R]`` budgets from
+    the calibrated node gains (:func:`node_gains`) and the step cost model
+    (:func:`auto_budgets`). ``sampled``: ``[R]`` bool, requests with T > 0; ``complete``:
+    ``[R]`` bool or None, requests whose drafter context is complete (the others get no
+    nodes). On the CPU the whole function is one fused op (``torch.ops.ddtree.auto_budgets``).
+    """
+    num_reqs = sampled.shape[0]
+    ops = cpu_ops(sampled.device)
+    if ops is not None:
+        xs, ys = cost._points(sampled.device)
+        plain_time = cost.verify_time_host(num_reqs) * off_scale if versus_plain else 0.0
+        draft_time = cost.draft_time(num_reqs)
+        everyone = sampled[:0]  # an empty mask: every request's context is complete
+
+        def fused(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+            return ops.auto_budgets(scores.contiguous(), depths.contiguous(),
+                                    calibration.predicted, calibration.observed,
+                                    calibration.prior, sampled,
+                                    everyone if complete is None else complete.contiguous(), xs, ys,
+                                    draft_time, on_scale, plain_time)
+
+        return fused
+    factors = calibration.factors()
+
+    def budgets(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        gains = node_gains(scores, depths, factors, sampled)
+        if complete is not None:
+            gains = gains * complete[:, None]
+        return auto_budgets(gains, cost, on_scale=on_scale, off_scale=off_scale,
+                            versus_plain=versus_plain)
+
+    return budgets
 
 
 class TablePolicy:

@@ -10,6 +10,7 @@
 //   store_trees_, gather_trees, reindex_trees_ <- TreeState's proposal store (torch path)
 //   tree_attention_info <- vllm_ddtree.plugin.cpu_attention.tree_attention_info
 //   tree_attention_ <- cpu_attention.tree_rows_attention over the layout's gathers
+//   auto_budgets, calibration_observe_ <- vllm_ddtree.budget (auto's budget function)
 // Built on first use by vllm_ddtree.kernels.native (torch.utils.cpp_extension, cached).
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -528,6 +529,123 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> tree_attention_info(const Tensor& req
   return {rows, valid, slots, mask};
 }
 
+// auto's budget function (vllm_ddtree.budget: Calibration.factors, node_gains, auto_budgets)
+// for one drafting step. scores/depths: [R, B] of the full-width trees; predicted/observed:
+// [2, L] float64, the calibration (row 0 greedy, row 1 sampled requests); sampled, complete:
+// [R] bool (complete: empty = every request); xs/ys: the verify cost curve (float64);
+// plain_time: the step time of plain decoding (<= 0: the measured rates decide whether to
+// draft, the model only sizes the trees). Returns the per-request budgets [R] int64.
+Tensor auto_budgets(const Tensor& scores, const Tensor& depths, const Tensor& predicted,
+                    const Tensor& observed, double prior, const Tensor& sampled,
+                    const Tensor& complete, const Tensor& xs, const Tensor& ys,
+                    double draft_time, double on_scale, double plain_time) {
+  for (auto* t : {&scores, &depths, &predicted, &observed, &sampled, &complete, &xs, &ys}) {
+    check_cpu(*t, "auto_budgets input");
+  }
+  TORCH_CHECK(scores.scalar_type() == at::kFloat && depths.scalar_type() == at::kLong &&
+                  predicted.scalar_type() == at::kDouble &&
+                  observed.scalar_type() == at::kDouble && sampled.scalar_type() == at::kBool &&
+                  xs.scalar_type() == at::kDouble && ys.scalar_type() == at::kDouble,
+              "auto_budgets: unexpected dtypes");
+  const int64_t R = scores.size(0), B = scores.size(1), L = predicted.size(1);
+  const int64_t N = R * B, P = xs.numel();
+  const float* sc = scores.data_ptr<float>();
+  const int64_t* dp = depths.data_ptr<int64_t>();
+  const double* pr = predicted.data_ptr<double>();
+  const double* ob = observed.data_ptr<double>();
+  const bool* smp = sampled.data_ptr<bool>();
+  const bool* cpl = complete.numel() ? complete.data_ptr<bool>() : nullptr;
+  const double* x = xs.data_ptr<double>();
+  const double* y = ys.data_ptr<double>();
+  double y_min = y[0];
+  for (int64_t i = 1; i < P; ++i) y_min = std::min(y_min, y[i]);
+  std::vector<double> gains(N);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t kind = smp[r] ? 1 : 0;
+    for (int64_t i = 0; i < B; ++i) {
+      const int64_t d = dp[r * B + i];
+      double g = 0.0;
+      if (d > 0) {
+        const int64_t level = std::min<int64_t>(d, L) - 1;
+        const double c = (ob[kind * L + level] + prior) / (pr[kind * L + level] + prior);
+        g = c * std::exp(static_cast<double>(sc[r * B + i]));
+      }
+      if (cpl != nullptr && !cpl[r]) g = 0.0;  // no drafter context: no nodes
+      gains[r * B + i] = g;
+    }
+  }
+  std::vector<int64_t> order(N);
+  for (int64_t i = 0; i < N; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return gains[a] > gains[b]; });
+  const auto verify_time = [&](double n) {
+    if (P == 1) return y[0];
+    int64_t seg = std::upper_bound(x, x + P, n) - x - 1;
+    seg = std::min<int64_t>(std::max<int64_t>(seg, 0), P - 2);
+    const double t = y[seg] + (y[seg + 1] - y[seg]) * (n - x[seg]) / (x[seg + 1] - x[seg]);
+    return std::max(t, y_min * 1e-3);
+  };
+  double taken = 0.0, best_rate = -1.0;
+  int64_t keep = 0;
+  for (int64_t k = 0; k <= N; ++k) {
+    if (k > 0) taken += gains[order[k - 1]];
+    const double step = (verify_time(static_cast<double>(R + k)) + draft_time) * on_scale;
+    const double rate = (static_cast<double>(R) + taken) / step;
+    if (rate > best_rate) {  // the first of equal maxima, as torch.argmax
+      best_rate = rate;
+      keep = k;
+    }
+  }
+  if (plain_time > 0 && !(best_rate > static_cast<double>(R) / plain_time)) keep = 0;
+  Tensor budgets = at::empty({R}, depths.options());
+  int64_t* bu = budgets.data_ptr<int64_t>();
+  std::fill(bu, bu + R, 0);
+  for (int64_t k = 0; k < keep; ++k) ++bu[order[k] / B];
+  return budgets;
+}
+
+// Calibration.observe for one verify step, in place: predicted/observed [2, L] float64 decay,
+// then add each counted request's path mass per depth and whether it accepted that deep.
+void calibration_observe_(Tensor predicted, Tensor observed, const Tensor& scores,
+                          const Tensor& depths, const Tensor& num_accepted,
+                          const Tensor& counted, const Tensor& sampled, double decay) {
+  for (const Tensor* t : std::initializer_list<const Tensor*>{
+           &predicted, &observed, &scores, &depths, &num_accepted, &counted, &sampled}) {
+    check_cpu(*t, "calibration input");
+  }
+  TORCH_CHECK(predicted.scalar_type() == at::kDouble && observed.scalar_type() == at::kDouble &&
+                  scores.scalar_type() == at::kFloat && depths.scalar_type() == at::kLong &&
+                  num_accepted.scalar_type() == at::kLong &&
+                  counted.scalar_type() == at::kBool && sampled.scalar_type() == at::kBool,
+              "calibration_observe_: unexpected dtypes");
+  const int64_t R = scores.size(0), B = scores.size(1), L = predicted.size(1);
+  double* pr = predicted.data_ptr<double>();
+  double* ob = observed.data_ptr<double>();
+  for (int64_t i = 0; i < 2 * L; ++i) {
+    pr[i] *= decay;
+    ob[i] *= decay;
+  }
+  const float* sc = scores.data_ptr<float>();
+  const int64_t* dp = depths.data_ptr<int64_t>();
+  const int64_t* na = num_accepted.data_ptr<int64_t>();
+  const bool* cn = counted.data_ptr<bool>();
+  const bool* smp = sampled.data_ptr<bool>();
+  std::vector<double> mass(L + 1);
+  for (int64_t r = 0; r < R; ++r) {
+    std::fill(mass.begin(), mass.end(), 0.0);
+    for (int64_t i = 0; i < B; ++i) {
+      const int64_t d = std::min<int64_t>(std::max<int64_t>(dp[r * B + i], 0), L);
+      if (dp[r * B + i] > 0) mass[d] += std::exp(static_cast<double>(sc[r * B + i]));
+    }
+    const double weight = cn[r] ? 1.0 : 0.0;
+    const int64_t kind = smp[r] ? 1 : 0;
+    for (int64_t d = 1; d <= L; ++d) {
+      pr[kind * L + d - 1] += mass[d] * weight;
+      ob[kind * L + d - 1] += (na[r] >= d ? 1.0 : 0.0) * weight;
+    }
+  }
+}
+
 template <typename T>
 inline float to_float(T x) {
   return static_cast<float>(x);
@@ -764,6 +882,11 @@ TORCH_LIBRARY(ddtree, m) {
   m.def("tree_attention_(Tensor(a!) output, Tensor query, Tensor flat, Tensor offsets, "
         "int slot_stride, Tensor rows, Tensor valid, Tensor slots, Tensor mask, float scale, "
         "bool bf16_probs) -> ()");
+  m.def("auto_budgets(Tensor scores, Tensor depths, Tensor predicted, Tensor observed, "
+        "float prior, Tensor sampled, Tensor complete, Tensor xs, Tensor ys, float draft_time, "
+        "float on_scale, float plain_time) -> Tensor");
+  m.def("calibration_observe_(Tensor(a!) predicted, Tensor(b!) observed, Tensor scores, "
+        "Tensor depths, Tensor num_accepted, Tensor counted, Tensor sampled, float decay) -> ()");
   m.def("copy_slots_(Tensor(a!)[] flats, Tensor offsets, int slot_stride, Tensor slot_mapping, "
         "Tensor src_rows, Tensor dst_rows) -> ()");
 }
@@ -778,5 +901,7 @@ TORCH_LIBRARY_IMPL(ddtree, CPU, m) {
   m.impl("reindex_trees_", &reindex_trees_);
   m.impl("tree_attention_info", &tree_attention_info);
   m.impl("tree_attention_", &tree_attention_);
+  m.impl("auto_budgets", &auto_budgets);
+  m.impl("calibration_observe_", &calibration_observe_);
   m.impl("copy_slots_", &copy_slots_);
 }

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from vllm_ddtree.budget import CostModel, auto_budgets, node_gains
+from vllm_ddtree.budget import Calibration, CostModel, budget_function
 from vllm_ddtree.plugin.options import DDTreeConfigError
 from vllm_ddtree.plugin.ranks import check_same, max_over_ranks
 from vllm_ddtree.tree import build_tree
@@ -120,10 +120,9 @@ def measure_costs(runner) -> CostModel:
         hidden = torch.randn(num_reqs * depth, drafter.hidden_size, device=device,
                              dtype=runner.model_config.dtype)
         logits = drafter.model.compute_logits(hidden).view(num_reqs, depth, -1)
-        factors = torch.ones(2, depth, dtype=torch.float64, device=device)
         sampled = torch.zeros(num_reqs, dtype=torch.bool, device=device)
-        build_tree(logits, lambda s, d: auto_budgets(node_gains(s, d, factors, sampled),
-                                                     unit_cost), max_budget=budget)
+        build_tree(logits, budget_function(unit_cost, Calibration(depth, device), sampled),
+                   max_budget=budget)  # auto's budget function as serving runs it
 
     verify_grid, draft_grid = _grids(runner)
     with torch.inference_mode(), torch.random.fork_rng(devices=[device] if cuda else []):

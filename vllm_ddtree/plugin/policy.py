@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_ddtree.budget import Calibration, CostModel, TablePolicy, auto_budgets, node_gains
+from vllm_ddtree.budget import Calibration, CostModel, TablePolicy, budget_function
 from vllm_ddtree.plugin.options import DDTreeOptions
 
 logger = logging.getLogger("vllm.ddtree")  # under vLLM's logger: its handlers and format
@@ -205,19 +205,11 @@ class BudgetController:
             raise RuntimeError("ddtree auto budgets: no step cost model (measured at start-up)")
         if sampled is None:
             sampled = torch.zeros(num_reqs, dtype=torch.bool, device=self.device)
-        factors = self.calibration.factors()
-        on_scale, off_scale = self.on_scale, self.off_scale
         # measured rates of both kinds here decide whether to draft; the model sizes the trees
         versus_plain = not self._measured_both(self._bucket(num_reqs))
-
-        def budgets(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-            gains = node_gains(scores, depths, factors, sampled)
-            if complete is not None:
-                gains = gains * complete[:, None]
-            return auto_budgets(gains, self.cost, on_scale=on_scale, off_scale=off_scale,
-                                versus_plain=versus_plain)
-
-        return budgets
+        return budget_function(self.cost, self.calibration, sampled, complete,
+                               on_scale=self.on_scale, off_scale=self.off_scale,
+                               versus_plain=versus_plain)
 
     # --- after the drafts reached the host (take_draft_token_ids) --------------------------
 
