@@ -20,10 +20,13 @@ __all__ = ["KVCacheTable", "compact_kv"]
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-MAX_TILE_ELEMS = 8192  # registers of one program (4 warps x 32 threads x 64 values)
-# NOTE: the tile is a constant, not the next power of two of the batch's slot count: a tile
-# that followed the batch would compile a new kernel for every new power-of-two batch while
-# serving (seconds of stall). Slots beyond one tile go in tiles in increasing n.
+# Elements of one tile, 16 per thread of 4 warps: each element also holds a 64-bit address
+# in registers, so a larger tile spills to local memory.
+MAX_TILE_ELEMS = 2048
+# NOTE: the tile is a constant (or follows group_size, fixed per engine), not the next power of
+# two of the batch's slot count: a tile that followed the batch would compile a new kernel for
+# every new power-of-two batch while serving (seconds of stall). Slots beyond one tile go in
+# tiles in increasing n.
 DEFAULT_BLOCK_S = 64
 
 
@@ -69,15 +72,13 @@ class KVCacheTable:
         return self.pointers.device
 
 
-def _tiles(num_elems: int, block_s: int | None) -> tuple[int, int]:
-    """(BLOCK_S, BLOCK_E): ``block_s`` slots (default :data:`DEFAULT_BLOCK_S`) per tile, the
-    slot's elements split so that a tile fits a program's registers. Neither depends on the
-    number of slots, so one compiled kernel serves every batch.
+def _tiles(num_elems: int, block_s: int) -> tuple[int, int]:
+    """(BLOCK_S, BLOCK_E): ``block_s`` slots per tile, the slot's elements split so that a tile
+    fits a program's registers. Neither depends on the number of slots, so one compiled kernel
+    serves every batch.
 
-    Example: 8 KV heads x 128 = 1024 elements -> (64, 128); block_s 16 -> (16, 256).
+    Example: 8 KV heads x 128 = 1024 elements -> block_s 64: (64, 32); block_s 16: (16, 128).
     """
-    if block_s is None:
-        block_s = DEFAULT_BLOCK_S
     if block_s < 1 or block_s & (block_s - 1):
         raise ValueError(f"block_s={block_s} must be a power of two")
     block_e = max(1, min(256, MAX_TILE_ELEMS // block_s, next_power_of_2(num_elems)))
@@ -89,6 +90,7 @@ def compact_kv(
     src_slots: torch.Tensor,  # [num_slots] int32/int64, -1 = padding
     dst_slots: torch.Tensor,  # [num_slots] int32/int64, -1 = padding
     *,
+    group_size: int | None = None,
     block_s: int | None = None,
 ) -> None:
     """Copy slot ``src_slots[n]`` to ``dst_slots[n]`` in every layer's K and V, one launch.
@@ -97,14 +99,19 @@ def compact_kv(
     destinations must be distinct. Build the :class:`KVCacheTable` once and pass it to skip
     the pointer-table upload on every call.
 
+    ``group_size``: the pairs come in groups of ``group_size`` consecutive entries (one
+    request's, -1 padded), and no slot of a group is a slot of another group (requests own
+    disjoint blocks): the groups are moved in parallel. ``None``: one group, any overlap.
+
     Note
     ----
-    Slots go in tiles of ``block_s`` (default 64) in increasing n; inside a tile every source
-    is read before any destination is written (a barrier separates them). So ANY overlap is
-    safe when ``num_slots <= block_s``, as in :func:`compact_kv_ref`; beyond that overlaps are
-    safe in the tree-compaction pattern: within a request the token positions behind both
-    lists increase and ``position(dst[n]) <= position(src[n])``, and requests own disjoint
-    blocks (then no tile reads a slot that an earlier tile wrote).
+    A group's slots go in tiles of ``block_s`` (default: the group, up to 64) in increasing n;
+    inside a tile every source is read before any destination is written (a barrier separates
+    them). So ANY overlap inside a group is safe when it fits one tile, as in
+    :func:`compact_kv_ref`; beyond that overlaps are safe in the tree-compaction pattern:
+    within a request the token positions behind both lists increase and
+    ``position(dst[n]) <= position(src[n])`` (then no tile reads a slot that an earlier tile
+    wrote).
 
     Example
     -------
@@ -120,8 +127,15 @@ def compact_kv(
     check_dtype("src_slots", src_slots, _INDEX_DTYPES)
     check_dtype("dst_slots", dst_slots, _INDEX_DTYPES)
     num_slots = src_slots.shape[0]
+    if group_size is not None and (group_size < 1 or num_slots % group_size):
+        raise ValueError(f"group_size={group_size} must be >= 1 and divide the "
+                         f"{num_slots} pairs")
     if num_slots == 0:
         return
+    if block_s is None:  # the tile follows the group (fixed per engine), never the batch
+        block_s = DEFAULT_BLOCK_S if group_size is None else min(
+            DEFAULT_BLOCK_S, next_power_of_2(group_size))
+    group_size = group_size or num_slots
     _, block_size, num_kv_heads, head_dim = table.shape
     num_elems = num_kv_heads * head_dim
     block_s, block_e = _tiles(num_elems, block_s)
@@ -131,9 +145,9 @@ def compact_kv(
     from .compact_kv_kernel import compact_kv_kernel
 
     elem_ty = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}[table.dtype.itemsize]
-    grid = (table.pointers.shape[0], (num_elems + block_e - 1) // block_e)
+    grid = (table.pointers.shape[0], (num_elems + block_e - 1) // block_e, num_slots // group_size)
     compact_kv_kernel[grid](
-        table.pointers, src_slots, dst_slots, num_slots, block_size, *table.strides,
+        table.pointers, src_slots, dst_slots, num_slots, group_size, block_size, *table.strides,
         HEAD_DIM=head_dim, NUM_ELEMS=num_elems, ELEM_TY=elem_ty,
         BLOCK_S=block_s, BLOCK_E=block_e,
     )

@@ -24,6 +24,36 @@ __all__ = ["tree_attention"]
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _DATA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634  # 1 / ln(2)
+MAX_SPLITS = 32  # context splits per (query block, request, kv head)
+MIN_SPLIT_KEYS = 1024  # a split covers at least this many context keys (512 lost at 1k on an H200)
+WAVES = 4  # programs per SM that a split grid aims at
+
+
+def _num_splits(programs: int, max_seq_len: int | None, device: torch.device) -> int:
+    """Context splits so that a small grid still fills the GPU: about :data:`WAVES` programs
+    per SM, each split at least :data:`MIN_SPLIT_KEYS` keys. 1 (no split) when the grid
+    already has them, when the context is short, when ``max_seq_len`` is unknown, or off CUDA.
+
+    Example (H200, 132 SMs): one request, 17 query rows (B = 16), 8 kv heads -> 16 programs;
+    context 16k -> min(32, ceil(528 / 16) = 33, 16384 // 1024 = 16) = 16 splits; B = 256
+    (17 query blocks) -> 136 programs -> 4 splits.
+    """
+    if max_seq_len is None or device.type != "cuda":
+        return 1
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    wanted = WAVES * sms
+    if programs >= wanted:
+        return 1
+    return max(1, min(MAX_SPLITS, -(-wanted // programs), max_seq_len // MIN_SPLIT_KEYS))
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _sm_count(index: int) -> int:
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
 
 
 def _tile_sizes(group_pad: int, head_dim_pad: int) -> tuple[int, int, int, int]:
@@ -50,6 +80,8 @@ def tree_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim] (output)
     *,
     max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
     block_q: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
@@ -66,6 +98,13 @@ def tree_attention(
     max_query_len:
         Largest q_len in the batch; sizes the grid. ``None`` reads it from
         ``query_start_loc`` (one host sync). vLLM's metadata has it: pass it.
+    max_seq_len:
+        Largest ``seq_lens`` entry (host int; vLLM's metadata has it). With it, a grid too
+        small for the GPU splits each request's context over several programs and merges them
+        in a second launch (flash-decoding); without it, one launch and no split.
+    num_splits:
+        Force the number of context splits (tests; ``None``: chosen from the grid and
+        ``max_seq_len``).
     block_q, block_n:
         Override the tile sizes (tests use small ones to cover multi-tile loops).
 
@@ -133,17 +172,36 @@ def tree_attention(
     upcast = interpreter_active() and q.dtype == torch.bfloat16
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
 
-    from .tree_attention_kernel import tree_attention_kernel  # lazy: needs Triton
+    from .tree_attention_kernel import combine_splits_kernel, tree_attention_kernel  # lazy
 
-    grid = ((max_query_len + block_q - 1) // block_q, batch, num_kv_heads)
-    tree_attention_kernel[grid](
+    q_blocks = (max_query_len + block_q - 1) // block_q
+    if num_splits is None:
+        num_splits = _num_splits(q_blocks * batch * num_kv_heads, max_seq_len, q.device)
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits} must be >= 1")
+    split = num_splits > 1
+    if split:  # partial outputs, and (max, sum) per row and head
+        part_acc = torch.empty(num_splits, num_tokens, num_heads, head_dim,
+                               dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(2, num_splits, num_tokens, num_heads, dtype=torch.float32,
+                              device=q.device)
+    else:  # unused: any float32 tensors with the right number of strides
+        part_acc = part_ml = out.new_empty(1, 1, 1, 1, dtype=torch.float32)
+    tree_attention_kernel[(q_blocks * num_splits, batch, num_kv_heads)](
         q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, tree_mask,
-        has_tree.view(torch.int8), scale * _LOG2E, block_size,
+        has_tree.view(torch.int8), part_acc, part_ml, num_splits, scale * _LOG2E, block_size,
         tree_mask.shape[1], tree_mask.shape[2],
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         *block_table.stride(), *tree_mask.stride(),
+        *part_acc.stride()[:3], part_ml.stride(1), part_ml.stride(2), part_ml.stride(0),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, GROUP=group, GROUP_PAD=group_pad,
-        BLOCK_Q=block_q, BLOCK_N=block_n, UPCAST=upcast, DOT_PRECISION=precision,
+        BLOCK_Q=block_q, BLOCK_N=block_n, UPCAST=upcast, DOT_PRECISION=precision, SPLIT=split,
         num_warps=num_warps, num_stages=num_stages,
     )
+    if split:
+        combine_splits_kernel[(num_tokens, num_heads)](
+            part_acc, part_ml, out, query_start_loc, batch, num_splits,
+            *part_acc.stride()[:3], part_ml.stride(1), part_ml.stride(2), part_ml.stride(0),
+            *out.stride(), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        )
     return out

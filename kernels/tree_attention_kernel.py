@@ -3,14 +3,19 @@
 Imported lazily by :mod:`tree_attention` (the launcher), so that ``vllm_ddtree.kernels``
 imports on machines where Triton cannot launch.
 
-One program = (query block, request, kv head). Its M rows are BLOCK_Q query tokens times the
-GROUP_PAD query heads that share the kv head (GQA packing: row m is query token m // GROUP_PAD,
-head kv_head * GROUP + m % GROUP_PAD), so each K/V tile is loaded once for the whole group.
-Keys are visited in two phases:
+One program = (query block x context split, request, kv head). Its M rows are BLOCK_Q query
+tokens times the GROUP_PAD query heads that share the kv head (GQA packing: row m is query token
+m // GROUP_PAD, head kv_head * GROUP + m % GROUP_PAD), so each K/V tile is loaded once for the
+whole group. Keys are visited in two phases:
   1. context keys 0 .. ctx_len - 1: visible to every query row, no mask;
   2. span keys ctx_len + j, j = 0 .. q_len - 1: bit j of the row's packed tree mask for tree
      requests, j <= i for causal requests (prefill chunks, plain decode). Tiles where no row
      sees any key are skipped (most of a tree's upper triangle).
+
+Split context (flash-decoding): when the grid is too small to fill the GPU (one request, a
+short tree, a long context), the launcher splits phase 1 into ``num_splits`` consecutive
+ranges, one program each; the last split also runs phase 2. Each split stores its unnormalised
+output, running max and sum (``SPLIT``), and :func:`combine_splits_kernel` merges them.
 """
 
 import triton
@@ -80,7 +85,13 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# NOTE: Triton specialises integer arguments on their value (== 1, divisible by 16); the split
+# count and the partial buffers' strides change with the batch, so they are not specialised
+# (one compiled kernel per SPLIT for every batch).
+_SPLIT_ARGS = ("num_splits", "stride_ps", "stride_pt", "stride_mls", "stride_mlt", "stride_ml")
+
+
+@triton.jit(do_not_specialize=_SPLIT_ARGS)
 def tree_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (any strides)
@@ -91,6 +102,9 @@ def tree_attention_kernel(
     query_start_loc_ptr,  # [batch + 1]
     tree_mask_ptr,  # [batch, mask_rows, mask_words] int32
     has_tree_ptr,  # [batch] int8 (bool viewed as int8)
+    part_acc_ptr,  # SPLIT: [num_splits, num_tokens, num_heads, HEAD_DIM] fp32 (output)
+    part_ml_ptr,  # SPLIT: [2, num_splits, num_tokens, num_heads] fp32 running max, sum (output)
+    num_splits,  # context ranges per (query block, request, kv head); 1 = no split
     qk_scale,  # softmax scale / ln(2), so that exp(x * scale) = exp2(x * qk_scale)
     block_size,
     mask_rows,
@@ -101,6 +115,9 @@ def tree_attention_kernel(
     stride_ot, stride_oh, stride_od,
     stride_btb, stride_btn,
     stride_mb, stride_mr, stride_mw,
+    stride_ps, stride_pt, stride_ph,  # part_acc's split / token / head strides (d: 1)
+    stride_mls, stride_mlt,  # part_ml's split / token strides (head: 1; max -> sum: stride_ml)
+    stride_ml,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,  # next power of two >= HEAD_DIM, >= 16
     GROUP: tl.constexpr,  # query heads per kv head
@@ -109,8 +126,10 @@ def tree_attention_kernel(
     BLOCK_N: tl.constexpr,  # keys per tile
     UPCAST: tl.constexpr,  # do the dots in fp32 (the interpreter's bf16 arithmetic is broken)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, "tf32" otherwise (ignored for 16-bit)
+    SPLIT: tl.constexpr,  # store partial results for combine_splits_kernel
 ):
-    q_block = tl.program_id(0)
+    q_block = tl.program_id(0) // num_splits
+    split = tl.program_id(0) % num_splits
     r = tl.program_id(1)
     kv_head = tl.program_id(2)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -146,10 +165,14 @@ def tree_attention_kernel(
     bt_row_ptr = block_table_ptr + r.to(tl.int64) * stride_btb
     offs_n = tl.arange(0, BLOCK_N)
 
-    # Phase 1: the committed context, visible to every query row.
-    for start in range(0, ctx_len, BLOCK_N):
+    # Phase 1: the split's range of the committed context, visible to every query row.
+    # each split's range: a whole number of tiles (NOTE: no tl.cdiv, see the NOTE above)
+    chunk = ((ctx_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    ctx_lo = split * chunk
+    ctx_hi = tl.minimum(ctx_len, ctx_lo + chunk)
+    for start in range(ctx_lo, ctx_hi, BLOCK_N):
         pos = start + offs_n
-        pos_valid = pos < ctx_len
+        pos_valid = pos < ctx_hi
         visible = row_valid[:, None] & pos_valid[None, :]
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, pos, pos_valid, visible,
@@ -159,9 +182,10 @@ def tree_attention_kernel(
             UPCAST, DOT_PRECISION,
         )
 
-    # Phase 2: the query span. Causal rows never look past the block's last row.
+    # Phase 2 (the last split): the query span. Causal rows never look past the block's last row.
     causal_end = tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
     span_end = causal_end + tree_flag * (q_len - causal_end)  # q_len for trees
+    span_end = span_end * (split == num_splits - 1).to(tl.int32)
     is_tree = (tl.full([BLOCK_M], 0, dtype=tl.int32) + tree_flag) != 0  # [BLOCK_M]
     mask_row_ptr = tree_mask_ptr + r.to(tl.int64) * stride_mb + row[:, None] * stride_mr
     row_in_mask = row_valid & (row < mask_rows) & is_tree
@@ -186,12 +210,62 @@ def tree_attention_kernel(
                 UPCAST, DOT_PRECISION,
             )
 
-    # Rows that saw no key at all (l_i == 0) write zeros, like the reference.
-    denom = tl.where(l_i > 0, l_i, 1.0)
-    result = acc / denom[:, None]
-    tl.store(
-        out_ptr + (q_start + row)[:, None] * stride_ot + head[:, None] * stride_oh
-        + offs_d[None, :] * stride_od,
-        result.to(out_ptr.dtype.element_ty),
-        mask=q_mask,
-    )
+    token = q_start + row
+    if SPLIT:  # every split stores, also one whose range was empty (max M_INIT, sum 0)
+        tl.store(part_acc_ptr + split.to(tl.int64) * stride_ps + token[:, None] * stride_pt
+                 + head[:, None] * stride_ph + offs_d[None, :], acc, mask=q_mask)
+        ml_ptr = part_ml_ptr + split.to(tl.int64) * stride_mls + token * stride_mlt + head
+        tl.store(ml_ptr, m_i, mask=row_valid)
+        tl.store(ml_ptr + stride_ml, l_i, mask=row_valid)
+    else:
+        # Rows that saw no key at all (l_i == 0) write zeros, like the reference.
+        denom = tl.where(l_i > 0, l_i, 1.0)
+        result = acc / denom[:, None]
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
+            + offs_d[None, :] * stride_od,
+            result.to(out_ptr.dtype.element_ty),
+            mask=q_mask,
+        )
+
+
+@triton.jit(do_not_specialize=("batch",) + _SPLIT_ARGS)
+def combine_splits_kernel(
+    part_acc_ptr,  # [num_splits, num_tokens, num_heads, HEAD_DIM] fp32
+    part_ml_ptr,  # [2, num_splits, num_tokens, num_heads] fp32
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    query_start_loc_ptr,  # [batch + 1]: tokens at or after query_start_loc[batch] are skipped
+    batch,
+    num_splits,
+    stride_ps, stride_pt, stride_ph,
+    stride_mls, stride_mlt, stride_ml,
+    stride_ot, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    """One program = (token, head): merge the splits' partial softmaxes (log2 domain)."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    if token >= tl.load(query_start_loc_ptr + batch):
+        return
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_valid = offs_d < HEAD_DIM
+    acc = tl.full([HEAD_DIM_PAD], 0.0, dtype=tl.float32)
+    m = tl.full([1], M_INIT, dtype=tl.float32)
+    total = tl.full([1], 0.0, dtype=tl.float32)
+    acc_ptr = part_acc_ptr + token.to(tl.int64) * stride_pt + head * stride_ph + offs_d
+    ml_ptr = part_ml_ptr + token.to(tl.int64) * stride_mlt + head + tl.arange(0, 1)
+    for s in range(0, num_splits):
+        m_s = tl.load(ml_ptr + s * stride_mls)
+        l_s = tl.load(ml_ptr + s * stride_mls + stride_ml)
+        acc_s = tl.load(acc_ptr + s * stride_ps, mask=d_valid, other=0.0)
+        m_new = tl.maximum(m, m_s)
+        alpha = tl.exp2(m - m_new)
+        beta = tl.exp2(m_s - m_new)  # 0 for a split that saw no key, unless none did yet
+        total = total * alpha + l_s * beta
+        acc = acc * alpha + acc_s * beta
+        m = m_new
+    # Rows that saw no key at all (sum 0) write zeros, like the reference.
+    result = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d * stride_od,
+             result.to(out_ptr.dtype.element_ty), mask=d_valid)

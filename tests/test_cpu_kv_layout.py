@@ -195,7 +195,7 @@ def test_compactor_on_the_cpu_layout_skips_either_side_without_host_sync():
     checker = NoHostSync(scope=("vllm_ddtree/plugin/compaction.py",
                                 "vllm_ddtree/plugin/cpu_attention.py"))
     with no_host_sync(checker):
-        compactor.compact(src_rows, dst_rows, num_tokens=64)
+        compactor.compact(src_rows, dst_rows, num_tokens=64, num_requests=1)
     assert checker.num_checked > 0
     moved = slot_mapping[torch.tensor([42, 43, 44, 57])]
     for got, cache in zip(caches, before):

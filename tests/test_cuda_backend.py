@@ -7,6 +7,7 @@ the compaction on that layout, and plain expectations for the metadata and engin
 checks. What is NOT covered here: the backend inside a running vLLM engine on a GPU.
 """
 
+import importlib
 from types import SimpleNamespace
 
 import pytest
@@ -140,7 +141,7 @@ def fake_runner(caches, slot_mapping, *, drafter_layers=(), shared=(), impl=None
             layer_names=names, kv_cache_spec=SimpleNamespace(head_size=HEAD_DIM))]),
         compilation_config=SimpleNamespace(static_forward_context=layers),
         input_batch=SimpleNamespace(block_table=[block_table]),
-        ddtree_state=SimpleNamespace(budget=budget),
+        ddtree_state=SimpleNamespace(budget=budget, depth=5),
     )
 
 
@@ -160,8 +161,8 @@ def test_compaction_on_the_cuda_layout(physical_nhd):
     dst_rows = torch.tensor([-1, 42, 43, 44, 57, 7], dtype=torch.int64)
     checker = NoHostSync(scope=("vllm_ddtree/plugin/compaction.py", "kernels/compact_kv.py"),
                          allowed_uploads=(("plugin/state.py", "to_device"),))
-    with no_host_sync(checker):
-        compactor.compact(src_rows, dst_rows, num_tokens=64)
+    with no_host_sync(checker):  # one request: its pairs overlap (51 -> 44, 44 -> 42)
+        compactor.compact(src_rows, dst_rows, num_tokens=64, num_requests=1)
     assert checker.num_checked > 0
     keep = (src_rows >= 0) & (dst_rows >= 0)
     for got, cache in zip(caches, before):
@@ -183,8 +184,14 @@ def test_kernels_compile_once_for_every_batch(monkeypatch):
 
     compact_kv_launches = LaunchRecorder(compact_module.compact_kv_kernel)
     attention_launches = LaunchRecorder(attention_module.tree_attention_kernel)
+    combine_launches = LaunchRecorder(attention_module.combine_splits_kernel)
     monkeypatch.setattr(compact_module, "compact_kv_kernel", compact_kv_launches)
     monkeypatch.setattr(attention_module, "tree_attention_kernel", attention_launches)
+    monkeypatch.setattr(attention_module, "combine_splits_kernel", combine_launches)
+    # the interpreter has no SMs: split the context in some steps as a small grid would
+    launcher = importlib.import_module("vllm_ddtree.kernels.tree_attention")
+    monkeypatch.setattr(launcher, "_num_splits", lambda programs, max_seq_len, device:
+                        1 + programs % 3)
     gen = torch.Generator().manual_seed(3)
     caches = [cuda_layout_cache(gen, False) for _ in range(2)]
     slot_mapping = torch.arange(NUM_BLOCKS * BLOCK_SIZE)
@@ -193,11 +200,12 @@ def test_kernels_compile_once_for_every_batch(monkeypatch):
     compactor = KVCompactor(runner, use_triton=True)
     compactor.warm_up()
     warm_up_tree_attention(runner)
-    warm = (set(compact_kv_launches.keys), set(attention_launches.keys))
-    assert len(warm[0]) == 1 and len(warm[1]) == 1
-    for n in (1, 5, 16, 17, 64, 300):
-        rows = torch.randint(0, 300, (n,), generator=gen)
-        compactor.compact(rows, rows, num_tokens=300)
+    warm = (set(compact_kv_launches.keys), set(attention_launches.keys),
+            set(combine_launches.keys))
+    assert [len(keys) for keys in warm] == [1, 2, 1]  # attention: unsplit and split
+    for num_reqs in (1, 2, 3, 4, 60):  # L = 5 pairs per request
+        rows = torch.randint(0, 300, (5 * num_reqs,), generator=gen)
+        compactor.compact(rows, rows, num_tokens=300, num_requests=num_reqs)
     state = TreeState(DDTreeOptions(budget=12, depth=5), torch.device("cpu"))
     for num_draft in ([12], [3, 0], [12, 12, 1], [0, 7, 12, 2]):
         q_lens = [m + 1 if m else 5 for m in num_draft]
@@ -217,8 +225,10 @@ def test_kernels_compile_once_for_every_batch(monkeypatch):
         query = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=gen)
         impl.forward(None, query, None, None, caches[0], meta,
                      torch.empty(num_tokens, NUM_HEADS * HEAD_DIM))
-    assert len(compact_kv_launches.keys) == 7 and len(attention_launches.keys) == 5
-    assert (set(compact_kv_launches.keys), set(attention_launches.keys)) == warm
+    assert len(compact_kv_launches.keys) == 6 and len(attention_launches.keys) == 6
+    assert len(combine_launches.keys) > 1, "no serving step split its context"
+    assert (set(compact_kv_launches.keys), set(attention_launches.keys),
+            set(combine_launches.keys)) == warm
 
 
 def test_cudagraph_support_is_piecewise_for_ddtree_only():

@@ -6,6 +6,7 @@ the packed-mask helpers, a hand-built tree, then sweeps over head dims, block si
 ragged mixed batches, DDTree trees from build_tree and a 1024-node tree.
 """
 
+import importlib
 import math
 import os
 import subprocess
@@ -228,6 +229,38 @@ def test_kernel_ragged_mixed_batch(dtype, head_dim, block_size, num_heads, num_k
                       head_dim=head_dim, block_size=block_size, dtype=dtype, gen=gen,
                       max_rows=20, spare_tokens=3)
     run_and_compare(args, head_dim**-0.5, dtype, block_n=16, max_query_len=17)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+def test_kernel_split_context_equals_the_reference(dtype, num_splits):
+    # Flash-decoding: each request's context in num_splits ranges of whole 16-key tiles, merged
+    # by a second launch. Contexts 0 and 3 leave most splits empty; 40 keys in 7 splits of one
+    # tile leave the last splits empty (the span still runs in the last one); a causal prefill
+    # chunk and a plain decode share the launch; spare tokens stay unwritten (NaN).
+    gen = torch.Generator().manual_seed(num_splits)
+    q_lens = [9, 13, 5, 1, 17, 4]
+    ctx_lens = [21, 40, 0, 33, 150, 3]
+    trees = [random_parents(8, gen), None, random_parents(4, gen), None, random_parents(16, gen),
+             random_parents(3, gen)]
+    args = make_batch(q_lens, ctx_lens, trees, num_heads=8, num_kv_heads=2, head_dim=64,
+                      block_size=16, dtype=dtype, gen=gen, max_rows=20, spare_tokens=3)
+    run_and_compare(args, 0.125, dtype, block_n=16, max_query_len=17, num_splits=num_splits)
+
+
+def test_split_count_fills_the_gpu_only_when_the_grid_is_small(monkeypatch):
+    launcher = importlib.import_module("vllm_ddtree.kernels.tree_attention")  # the module
+    monkeypatch.setattr(launcher, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    # one request, B = 16 (17 rows, 2 query blocks of 16 tokens), 8 kv heads: 16 programs
+    assert launcher._num_splits(16, 16384, cuda) == 16  # each split >= 1024 keys
+    assert launcher._num_splits(136, 16384, cuda) == 4  # B = 256: 17 query blocks; 4 per SM
+    assert launcher._num_splits(16, 2048, cuda) == 2
+    assert launcher._num_splits(16, 1300, cuda) == 1  # short context: no split
+    assert launcher._num_splits(2, 10**6, cuda) == launcher.MAX_SPLITS  # at most 32
+    assert launcher._num_splits(528, 16384, cuda) == 1  # the grid fills the GPU already
+    assert launcher._num_splits(16, None, cuda) == 1  # unknown lengths: no split, no sync
+    assert launcher._num_splits(16, 16384, torch.device("cpu")) == 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -141,6 +141,41 @@ def test_random_tree_compactions_match_snapshot_and_ref(dtype, block_size):
     assert_caches_equal(twins, expected)
 
 
+@pytest.mark.parametrize("depth", [1, 3, 15, 70])
+def test_groups_of_one_request_each_move_in_parallel(depth):
+    # As the plugin calls it: per request ``depth`` pairs (its accepted path, -1 padded), the
+    # groups moved in parallel. Paths accept consecutive nodes too, so a pair's destination is
+    # often an earlier pair's source (70 > 64: a group in several tiles).
+    gen = torch.Generator().manual_seed(depth)
+    batch, block_size = 5, 16
+    num_blocks = batch * (3 * depth // block_size + 2)  # room for a 2 * depth draft region
+    layers = vllm_layer_caches(2, num_blocks, block_size, 2, 32, torch.bfloat16, gen)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    per_req = num_blocks // batch
+    src, dst = [], []
+    for r in range(batch):
+        table = perm[r * per_req:(r + 1) * per_req]
+
+        def slot(pos):
+            return table[pos // block_size] * block_size + pos % block_size
+
+        root = int(torch.randint(0, per_req * block_size - 2 * depth - 1, (1,), generator=gen))
+        length = int(torch.randint(0, depth + 1, (1,), generator=gen))
+        nodes = sorted(torch.randperm(2 * depth, generator=gen)[:length].tolist())
+        if r == 0:
+            nodes = list(range(1, depth + 1))  # every node one row down: dst[n] == src[n-1]
+        pairs = [(slot(root + 1 + node), slot(root + 1 + i)) for i, node in enumerate(nodes)]
+        pairs += [(-1, -1)] * (depth - len(pairs))
+        src += [p[0] for p in pairs]
+        dst += [p[1] for p in pairs]
+    src, dst = torch.tensor(src, device=DEVICE), torch.tensor(dst, device=DEVICE)
+    expected = snapshot_model(layers, src, dst)
+    compact_kv(layers, src, dst, group_size=depth)
+    assert_caches_equal(layers, expected)
+    with pytest.raises(ValueError, match=f"group_size={depth + 1} must be >= 1 and divide"):
+        compact_kv(layers, src, dst, group_size=depth + 1)
+
+
 def test_table_is_reusable_and_contiguous_caches_work():
     gen = torch.Generator().manual_seed(4)
     layers = [tuple(torch.randn(2, 6, 16, 4, 32, generator=gen).to(DEVICE).unbind(0))

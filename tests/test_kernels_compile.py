@@ -43,7 +43,21 @@ import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from vllm_ddtree.kernels.compact_kv_kernel import compact_kv_kernel
-from vllm_ddtree.kernels.tree_attention_kernel import tree_attention_kernel
+from vllm_ddtree.kernels.tree_attention_kernel import combine_splits_kernel, tree_attention_kernel
+
+
+def spill_bytes(k):
+    # bytes a thread spills to local memory (ptxas -v on the kernel's PTX): spills made a
+    # compaction tile 100x slower on an H200
+    import re, subprocess, tempfile
+    from triton.backends.nvidia import compiler as nv
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/k.ptx", "w") as f:
+            f.write(k.asm["ptx"])
+        res = subprocess.run([nv.get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", f"{tmp}/k.ptx",
+                              "-o", f"{tmp}/k.cubin"], capture_output=True, text=True, check=True)
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", res.stderr))
 
 
 def compile_(fn, types, constexprs):
@@ -63,23 +77,32 @@ def compile_(fn, types, constexprs):
 report = {}
 types = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
          "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
-         "tree_mask_ptr": "*i32", "has_tree_ptr": "*i8", "qk_scale": "fp32"}
+         "tree_mask_ptr": "*i32", "has_tree_ptr": "*i8", "qk_scale": "fp32",
+         "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
 # the launcher's tiles for 32 query / 8 kv heads, head_dim 128 (group 4 -> 16 tokens x 4)
 constexprs = dict(HEAD_DIM=128, HEAD_DIM_PAD=128, GROUP=4, GROUP_PAD=4, BLOCK_Q=16,
                   BLOCK_N=64, UPCAST=False, DOT_PRECISION="tf32")
 for name in ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_btn", "stride_mw"):
     constexprs[name] = 1  # the JIT specialises unit strides
-k = compile_(tree_attention_kernel, types, constexprs)
-report["attn_wgmma"] = k.asm["ttgir"].count("ttng.warp_group_dot ")
-report["attn_async_copies"] = k.asm["ttgir"].count("async_copy_global_to_local")
-report["attn_shared"] = k.metadata.shared
+for split in (False, True):
+    k = compile_(tree_attention_kernel, types, dict(constexprs, SPLIT=split))
+    report[f"attn_wgmma_{split}"] = k.asm["ttgir"].count("ttng.warp_group_dot ")
+    report[f"attn_async_copies_{split}"] = k.asm["ttgir"].count("async_copy_global_to_local")
+    report[f"attn_shared_{split}"] = k.metadata.shared
+    report[f"attn_spills_{split}"] = spill_bytes(k)
+types = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16",
+         "query_start_loc_ptr": "*i32"}
+k = compile_(combine_splits_kernel, types, dict(HEAD_DIM=128, HEAD_DIM_PAD=128, stride_od=1))
+report["combine_compiled"] = "st.global" in k.asm["ptx"]
 types = {"cache_ptrs_ptr": "*i64", "src_slots_ptr": "*i64", "dst_slots_ptr": "*i64"}
 report["compact_barrier"] = []
-for block_s, block_e in ((16, 256), (512, 16)):
+report["compact_spills"] = []
+for block_s, block_e in ((64, 32), (16, 128)):  # one group; groups of L = 15
     constexprs = dict(HEAD_DIM=128, NUM_ELEMS=1024, ELEM_TY=tl.int16, BLOCK_S=block_s,
                       BLOCK_E=block_e, stride_d=1)
     k = compile_(compact_kv_kernel, types, constexprs)
     report["compact_barrier"].append("bar.sync" in k.asm["ptx"])
+    report["compact_spills"].append(spill_bytes(k))
 print("REPORT" + json.dumps(report))
 """
 
@@ -94,11 +117,18 @@ def report():
     return json.loads(line[len("REPORT"):])
 
 
-def test_tree_attention_compiles_for_sm90_with_wgmma_and_pipelined_loads(report):
-    assert report["attn_wgmma"] >= 4, "expected wgmma for QK^T and PV in both phases"
-    assert report["attn_async_copies"] > 0, "K/V loads are no longer software-pipelined"
-    assert report["attn_shared"] <= 228 * 1024
+@pytest.mark.parametrize("split", [False, True])
+def test_tree_attention_compiles_for_sm90_with_wgmma_and_pipelined_loads(report, split):
+    assert report[f"attn_wgmma_{split}"] >= 4, "expected wgmma for QK^T and PV in both phases"
+    assert report[f"attn_async_copies_{split}"] > 0, "K/V loads are no longer software-pipelined"
+    assert report[f"attn_shared_{split}"] <= 228 * 1024
+    assert report[f"attn_spills_{split}"] == 0, "registers spill to local memory"
+
+
+def test_split_merge_compiles_for_sm90(report):
+    assert report["combine_compiled"]
 
 
 def test_compact_kv_compiles_for_sm90_with_a_barrier(report):
     assert report["compact_barrier"] == [True, True], "loads and stores of a tile must be separated"
+    assert report["compact_spills"] == [0, 0], "registers spill to local memory"

@@ -113,10 +113,13 @@ class KVCompactor:
                     entry[0].append(layout.flat)
                 group.native = list(shared.values())
 
-    def compact(self, src_rows: torch.Tensor, dst_rows: torch.Tensor, num_tokens: int) -> None:
+    def compact(self, src_rows: torch.Tensor, dst_rows: torch.Tensor, num_tokens: int,
+                num_requests: int) -> None:
         """Copy query row ``src_rows[n]``'s K/V to query row ``dst_rows[n]``'s slot (a ``-1``
         on either side: skip) in every target layer. Rows index this step's flat batch of
-        ``num_tokens``.
+        ``num_tokens``; the pairs are ``num_requests`` equal groups, one per request (as
+        :meth:`~vllm_ddtree.plugin.state.TreeState.finish_verify` returns them), moved in
+        parallel on CUDA.
 
         Example: rows 44 -> 42 with group 0's slot mapping [.., 42: 1030, .., 44: 1032, ..]
         copies slot 1032 to slot 1030 in each layer of group 0. A skipped pair becomes slots
@@ -141,7 +144,8 @@ class KVCompactor:
                 # a tensor per side, not two views of one: the kernel's compile key holds
                 # each pointer's 16-byte alignment
                 compact_kv(group.table, slot_mapping[src_rows].masked_fill_(skip, -1),
-                           slot_mapping[dst_rows].masked_fill_(skip, -1))
+                           slot_mapping[dst_rows].masked_fill_(skip, -1),
+                           group_size=src_rows.shape[0] // num_requests)
             else:
                 from vllm_ddtree.plugin.cpu_attention import NULL_SLOT, copy_cpu_slots
 
@@ -151,11 +155,13 @@ class KVCompactor:
     def warm_up(self) -> None:
         """Compile the compaction kernel of every group now (engine start), not mid-serving.
 
-        All pairs are -1, so nothing moves. The kernel's compile key does not depend on the
-        number of slots (see ``compact_kv``), so this one launch per group covers every step.
+        All pairs are -1, so nothing moves. The kernel's compile key depends on the pairs per
+        request (the drafting depth L, fixed per engine), not on the number of requests (see
+        ``compact_kv``), so this one launch per group covers every step.
         """
+        depth = self._runner.ddtree_state.depth  # pairs per request in every verify step
         for group in self.groups:
             if group.table is None:
                 continue
-            skip = torch.full((1,), -1, dtype=torch.int64, device=group.table.device)
-            compact_kv(group.table, skip, skip)
+            skip = torch.full((depth,), -1, dtype=torch.int64, device=group.table.device)
+            compact_kv(group.table, skip, skip, group_size=depth)

@@ -114,6 +114,7 @@ class DDTreeTritonImpl(TritonAttentionImpl):
             self.scale,
             out=out,
             max_query_len=attn_metadata.max_query_len,
+            max_seq_len=attn_metadata.max_seq_len,  # small batches split the context
         )
         return output
 
@@ -143,8 +144,9 @@ def warm_up_tree_attention(runner) -> None:
     """Compile the tree-attention kernel for every target layer shape now (engine start).
 
     Serving launches it with the same dtypes, strides and constants every step (the batch
-    only changes the grid and the contents of the metadata tensors), so one launch per
-    distinct layer shape compiles everything a verify step will need. The launch reads block
+    only changes the grid, the number of context splits and the contents of the metadata
+    tensors), so one launch per distinct layer shape, unsplit and split, compiles everything a
+    verify step will need. The launch reads block
     0 of the real cache for one query row and writes a scratch output.
     """
     budget = runner.ddtree_state.budget
@@ -168,12 +170,14 @@ def warm_up_tree_attention(runner) -> None:
             query = torch.zeros(1, impl.num_heads, impl.head_size, dtype=kv_cache.dtype,
                                 device=device)
             words = (budget + 1 + 31) // 32
-            tree_attention(
-                query, key_cache, value_cache,
-                runner.input_batch.block_table[gid].get_device_tensor(1),
-                torch.ones(1, dtype=torch.int32, device=device),  # seq_lens
-                torch.arange(2, dtype=torch.int32, device=device),  # query_start_loc
-                torch.zeros(1, budget + 1, words, dtype=torch.int32, device=device),
-                torch.ones(1, dtype=torch.bool, device=device),  # has_tree
-                impl.scale, out=torch.empty_like(query), max_query_len=1,
-            )
+            for num_splits in (1, 2):  # one launch, and the split context with its merge
+                tree_attention(
+                    query, key_cache, value_cache,
+                    runner.input_batch.block_table[gid].get_device_tensor(1),
+                    torch.ones(1, dtype=torch.int32, device=device),  # seq_lens
+                    torch.arange(2, dtype=torch.int32, device=device),  # query_start_loc
+                    torch.zeros(1, budget + 1, words, dtype=torch.int32, device=device),
+                    torch.ones(1, dtype=torch.bool, device=device),  # has_tree
+                    impl.scale, out=torch.empty_like(query), max_query_len=1,
+                    num_splits=num_splits,
+                )

@@ -609,7 +609,8 @@ def _wrap_sample(original):
             state.budgets.observe_verify(state.verify.tree, state.verdict.num_accepted,
                                          state.verify.matched, sampled)
         if self.ddtree_compactor is not None:
-            self.ddtree_compactor.compact(src_rows, dst_rows, state.verify.num_tokens)
+            self.ddtree_compactor.compact(src_rows, dst_rows, state.verify.num_tokens,
+                                          len(state.verify.num_draft))
         state.verify = None  # a later dummy run must not see this step's trees
         return output
 
