@@ -592,9 +592,10 @@ class TreeState:
         counts, draft_starts, slots, starts, *exact_rows = per_request.view(-1, num_rows)
         draft_law = position_shift = offsets = None
         ops = cpu_ops(device)
+        if exact:  # each tree is the stored row: the proposal's, or the empty row
+            slots, matched = exact_rows[0], exact_rows[1].bool()
         if exact and ops is not None and not self._latest_law_names:
             # the fused CPU kernel: the trees and the position shifts in one op
-            slots, matched = exact_rows[0], exact_rows[1].bool()
             token_index = uploaded[per_request.numel():]
             *fields, shift = ops.gather_trees(*store.tree_buffers(), slots, token_index)
             tree = DraftTree(*fields[:3], scores=fields[3], num_nodes=counts,
@@ -602,7 +603,6 @@ class TreeState:
             if token_rows is not None:
                 position_shift = shift
         elif exact:
-            slots, matched = exact_rows[0], exact_rows[1].bool()
             tree = DraftTree(
                 *store.rows("nodes", slots).unbind(1), scores=store.rows("scores", slots),
                 num_nodes=counts, ancestor_mask=store.rows("mask", slots), max_depth=depth)
