@@ -11,7 +11,9 @@ drafts and token rows) -> ``walk`` -> ``finish_verify``. The drafter's logits ar
 every path sees the same numbers; the scheduler's drafts (each tree's nodes) and the target
 samples of the walk (each request's first path, as deep as it goes) come from the reference
 tree and are built before anything is counted. For B in {16, 64, 256}, R in {1, 8}, L = 15
-(DFlash b16 drafters), vocab 151936 (Qwen3's), after two warm-up steps:
+(DFlash b16 drafters), vocab 151936 (Qwen3's), after two warm-up steps, on both CUDA paths
+side by side: "torch" (the torch path of every stage) and "triton" (the Triton tree build,
+walk and finish_verify of ``kernels/verify_steps.py``; the other stages' torch path):
 
 1. correctness: the CUDA step's outputs (trees, verify batch, walk verdict, finish_verify's
    src / dst / gather index) against the same step on the CPU (the fused ops of
@@ -38,8 +40,7 @@ Needs torch, no vLLM; on a machine without an install of the package, link its k
 first run on a machine builds the fused CPU ops (~20-40 s with g++, then cached). Writes
 ``benchmarks/results/cuda_stages_<device>.json``; exits non-zero when a configuration failed
 or differs from the reference.
-``--smoke``: the CPU, vocab 512, B {16, 64}, R {1, 2}, the torch path (what CUDA runs) against
-the fused ops; no profiler, sync checks or graphs (seconds, for tests on machines without a GPU).
+``--smoke``: the CPU, vocab 512, B {16, 64}, R {1, 2}, the torch path against the fused ops; no profiler, sync checks or graphs (seconds, for tests on machines without a GPU).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import shlex
@@ -384,7 +386,13 @@ def check_graph(fn, new_inputs: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
     return "captured, replay equals eager" if same else "replay differs"
 
 
-def graph_checks(budget: int, num_reqs: int, vocab: int, device: torch.device) -> dict:
+def graph_checks(budget: int, num_reqs: int, vocab: int, device: torch.device,
+                 path: str) -> dict:
+    with cpu_path(fused=path == "triton"):
+        return _graph_checks(budget, num_reqs, vocab, device)
+
+
+def _graph_checks(budget: int, num_reqs: int, vocab: int, device: torch.device) -> dict:
     """build_tree, walk and finish_verify each in a CUDA graph (see :func:`check_graph`): the
     static inputs hold step A's values at capture, step B's at replay (other logits, and
     samples that leave the first path after 2 nodes: another verdict for finish_verify)."""
@@ -424,9 +432,10 @@ def drafter_logits(budget: int, num_reqs: int, vocab: int, seed: int) -> torch.T
     return torch.randn(num_reqs, DEPTH, vocab, generator=gen) * DRAFT_SCALE
 
 
-def measure(budget: int, num_reqs: int, vocab: int, device: torch.device) -> dict:
-    """One configuration: the reference step on the CPU (fused ops), then on ``device`` (the
-    torch path) the counted step, the sync-checked step and the profiled step."""
+def measure(budget: int, num_reqs: int, vocab: int, device: torch.device, path: str) -> dict:
+    """One configuration: the reference step on the CPU (fused ops), then on ``device`` the
+    counted step, the sync-checked step and the profiled step, on ``path``: "torch" (the torch
+    path of every stage) or "triton" (CUDA's fused kernels, ``kernels/verify_steps.py``)."""
     start = time.time()
     logits = drafter_logits(budget, num_reqs, vocab, seed=1)
     with cpu_path(fused=True):
@@ -437,11 +446,11 @@ def measure(budget: int, num_reqs: int, vocab: int, device: torch.device) -> dic
             verify_step(state, inputs)
         reference = outputs(verify_step(state, inputs))
     inputs = inputs.to(device)
-    result = {"budget": budget, "requests": num_reqs, "depth": DEPTH, "vocab": vocab,
+    result = {"path": path, "budget": budget, "requests": num_reqs, "depth": DEPTH, "vocab": vocab,
               # the trees' shape: the deepest node and the accepted nodes, per request
               "mean_tree_depth": float(reference["build_tree.depths"].amax(1).double().mean()),
               "mean_accepted": float(reference["walk.num_accepted"].double().mean())}
-    with cpu_path(fused=False):
+    with cpu_path(fused=path == "triton"):
         state = TreeState(DDTreeOptions(budget=budget, depth=DEPTH), device,
                           max_num_reqs=num_reqs)
         for _ in range(WARMUP_STEPS):
@@ -478,10 +487,11 @@ def cell(row: dict, key: str, width: int) -> str:
 
 def print_table(result: dict) -> None:
     if "error" in result:
-        print(f"\nB={result['budget']} R={result['requests']}: FAILED: {result['error']}")
+        print(f"\n{result['path']}: B={result['budget']} R={result['requests']}: FAILED: "
+              f"{result['error']}")
         return
     verdict = ("correct" if result["correct"] else "WRONG: " + "; ".join(result["mismatches"]))
-    print(f"\nB={result['budget']} R={result['requests']} L={result['depth']} "
+    print(f"\n{result['path']}: B={result['budget']} R={result['requests']} L={result['depth']} "
           f"vocab={result['vocab']} (trees {result['mean_tree_depth']:.1f} deep, "
           f"{result['mean_accepted']:.1f} accepted): {verdict} (scores {result['scores']}), "
           f"{result['seconds']:.1f} s")
@@ -540,21 +550,24 @@ def main() -> None:
     print(f"reference: {reference} ({time.time() - start:.1f} s to load); device: {device}",
           flush=True)
     results = []
+    # on CUDA both paths, side by side; --smoke: the CPU's torch path (its fused ops are the
+    # reference)
+    paths = ("torch",) if args.smoke else ("torch", "triton")
     with torch.inference_mode():
-        for budget in shape["budgets"]:
-            for num_reqs in shape["requests"]:
-                try:
-                    results.append(measure(budget, num_reqs, shape["vocab"], device))
-                except Exception as exc:  # the other configurations still run
-                    traceback.print_exc()
-                    results.append({"budget": budget, "requests": num_reqs,
-                                    "error": first_line(exc)})
-                print(f"B={budget} R={num_reqs}: {time.time() - start:.1f} s", flush=True)
+        for path, budget, num_reqs in itertools.product(paths, shape["budgets"],
+                                                        shape["requests"]):
+            try:
+                results.append(measure(budget, num_reqs, shape["vocab"], device, path))
+            except Exception as exc:  # the other configurations still run
+                traceback.print_exc()
+                results.append({"path": path, "budget": budget, "requests": num_reqs,
+                                "error": first_line(exc)})
+            print(f"{path}: B={budget} R={num_reqs}: {time.time() - start:.1f} s", flush=True)
         # last: a failed capture must not disturb the other measurements
         for result in results if device.type == "cuda" else ():
             try:
                 result["graphs"] = graph_checks(result["budget"], result["requests"],
-                                                shape["vocab"], device)
+                                                shape["vocab"], device, result["path"])
             except Exception as exc:
                 result["graphs_error"] = first_line(exc)
     for result in results:
@@ -568,7 +581,7 @@ def main() -> None:
                    "smoke": args.smoke, "seconds": round(time.time() - start, 1),
                    "results": results}, f, indent=1)
     print(f"\nwrote {out} ({time.time() - start:.0f} s)")
-    failed = [f"B={r['budget']} R={r['requests']}" for r in results
+    failed = [f"{r['path']} B={r['budget']} R={r['requests']}" for r in results
               if "error" in r or not r["correct"]]
     if failed:
         sys.exit(f"failed or not equal to the reference: {', '.join(failed)}")

@@ -4,6 +4,8 @@
   over the context and ancestor-only inside each request's tree.
 - :func:`compact_kv` / :func:`compact_kv_ref`: move the accepted path's K/V to the first slots of
   the draft region, in every layer, in one launch.
+- ``verify_steps``: the verify step's tree build, walk and finish_verify on CUDA, one launch
+  each (their twins: the torch paths in ``vllm_ddtree`` and the fused CPU ops of ``csrc``).
 
 Importing this package never needs a working Triton backend: the @triton.jit bodies live in
 ``*_kernel.py`` modules that the launchers import on first call.

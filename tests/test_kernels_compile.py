@@ -103,6 +103,30 @@ for block_s, block_e in ((64, 32), (16, 128)):  # one group; groups of L = 15
     k = compile_(compact_kv_kernel, types, constexprs)
     report["compact_barrier"].append("bar.sync" in k.asm["ptx"])
     report["compact_spills"].append(spill_bytes(k))
+from vllm_ddtree.kernels.verify_steps_kernel import (
+    build_tree_kernel, finish_verify_kernel, walk_kernel)
+
+types = {name: "*i64" for name in build_tree_kernel.arg_names if name.endswith("_ptr")}
+types.update(values_ptr="*fp32", ranked_lp_ptr="*fp32", scores_ptr="*fp32", mask_ptr="*i32")
+report["build_tree_spills"] = []
+for width, block_w in ((16, 16), (256, 16)):  # B = 16 and 256, L = 15, K = B, 8 warps
+    k = triton.compile(ASTSource(build_tree_kernel, {
+        name: ("constexpr" if name in ("DEPTH", "K", "B", "BLOCK_K", "BLOCK_L", "BLOCK_B",
+                                       "BLOCK_W", "HAS_BUDGETS") else types.get(name, "i32"))
+        for name in build_tree_kernel.arg_names}, dict(
+            DEPTH=15, K=width, B=width, BLOCK_K=max(16, width), BLOCK_L=16,
+            BLOCK_B=2 * width if width > 16 else 32, BLOCK_W=block_w, HAS_BUDGETS=True)),
+        target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    report["build_tree_spills"].append(spill_bytes(k))
+
+types = {name: "*i64" for name in walk_kernel.arg_names if name.endswith("_ptr")}
+types.update(mask_ptr="*i32", emitted_ptr="*i32")
+k = compile_(walk_kernel, types, dict(DEPTH=15, BLOCK_B=256, BLOCK_L=16, BLOCK_O=256, EMIT=True))
+report["walk_spills"] = spill_bytes(k)
+types = {name: "*i64" for name in finish_verify_kernel.arg_names if name.endswith("_ptr")}
+k = compile_(finish_verify_kernel, types, dict(DEPTH=15, BLOCK_L=16, BLOCK_T=256))
+report["finish_verify_atomic"] = "atom" in k.asm["ptx"] or "red." in k.asm["ptx"]
+report["finish_verify_spills"] = spill_bytes(k)
 print("REPORT" + json.dumps(report))
 """
 
@@ -132,3 +156,11 @@ def test_split_merge_compiles_for_sm90(report):
 def test_compact_kv_compiles_for_sm90_with_a_barrier(report):
     assert report["compact_barrier"] == [True, True], "loads and stores of a tile must be separated"
     assert report["compact_spills"] == [0, 0], "registers spill to local memory"
+
+
+def test_verify_step_kernels_compile_for_sm90(report):
+    """The tree build at B = 16 and 256 (L = 15), the walk at B = 256 and finish_verify (its
+    moved-slot count an atomic add)."""
+    assert report["build_tree_spills"] == [0, 0], "the tree build spills registers"
+    assert report["walk_spills"] == 0 and report["finish_verify_spills"] == 0
+    assert report["finish_verify_atomic"]

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from tree_utils import hand_tree, moves_by_hand, path_samples, random_logits
 
 from vllm_ddtree.kernels.native import cpu_ops
 from vllm_ddtree.plugin.options import DDTreeOptions
@@ -91,21 +92,6 @@ def test_cpu_ops_only_for_the_cpu_and_only_when_enabled(native, monkeypatch):
 
 
 # -------------------------------------------------------------------------------- build_tree
-
-
-def random_logits(kind: str, batch: int, depth: int, vocab: int, gen: torch.Generator):
-    """``randn``: distinct values; ``ties``: small integers (many equal log-probabilities,
-    so the tie-break decides); ``zeros``: small integers and -inf (tokens of probability
-    zero: fewer possible prefixes than the budget, padding); ``bf16``: bf16 logits."""
-    if kind == "randn":
-        return torch.randn(batch, depth, vocab, generator=gen) * 3
-    if kind == "bf16":
-        return (torch.randn(batch, depth, vocab, generator=gen) * 2).bfloat16()
-    logits = torch.randint(0, 3, (batch, depth, vocab), generator=gen).float()
-    if kind == "zeros":
-        logits[torch.rand(batch, depth, vocab, generator=gen) < 0.7] = float("-inf")
-        logits[..., 0] = 0.0  # every row keeps a possible token
-    return logits
 
 
 @pytest.mark.parametrize("B,L", list(itertools.product([1, 4, 16, 64, 300], [1, 2, 5, 8])))
@@ -186,50 +172,6 @@ def test_build_tree_budget_function(native, B, L, vocab, kind):
 # -------------------------------------------------------------------------------------- walk
 
 
-def path_samples(tree: DraftTree, vocab: int, gen: torch.Generator, follow: bool = True):
-    """``[R, B + 1]`` target samples: random tokens in ``[0, vocab)``; with ``follow``, each
-    request's samples follow a random tree path to a random depth, then diverge (a token that
-    no child of the last node carries, or any token half of the time)."""
-    batch, width = tree.token_ids.shape
-    sampled = torch.randint(0, vocab, (batch, width + 1), generator=gen)
-    if not follow:
-        return sampled
-    tokens, parents = tree.token_ids.tolist(), tree.parents.tolist()
-    for r in range(batch):
-        n = int(tree.num_nodes[r])
-        target = int(torch.randint(0, tree.max_depth + 1, (1,), generator=gen))
-        current = -1
-        for _ in range(target):
-            children = [k for k in range(n) if parents[r][k] == current]
-            if not children:
-                break
-            child = children[int(torch.randint(0, len(children), (1,), generator=gen))]
-            sampled[r, current + 1] = tokens[r][child]
-            current = child
-        if torch.rand(1, generator=gen) < 0.5:
-            taken = {tokens[r][k] for k in range(n) if parents[r][k] == current}
-            sampled[r, current + 1] = next(t for t in range(vocab + 1) if t not in taken)
-    return sampled
-
-
-def hand_tree(parents: list[list[int]], tokens: list[list[int]], max_depth: int) -> DraftTree:
-    """A batch of trees from parent/token lists (padding: parent -1, token -1); depths and
-    ancestor rows computed from the parents."""
-    par = torch.tensor(parents)
-    tok = torch.tensor(tokens)
-    depths = []
-    for row_p, row_t in zip(parents, tokens):
-        d = []
-        for p, t in zip(row_p, row_t):
-            d.append(0 if t < 0 else (1 if p < 0 else d[p] + 1))
-        depths.append(d)
-    dep = torch.tensor(depths)
-    return DraftTree(token_ids=tok, parents=par, depths=dep,
-                     scores=torch.where(dep > 0, 0.0, float("-inf")),
-                     num_nodes=(dep > 0).sum(dim=1), ancestor_mask=_ancestor_mask(par, max_depth),
-                     max_depth=max_depth)
-
-
 @pytest.mark.parametrize("B,L,vocab", [(1, 1, 3), (4, 2, 3), (16, 5, 6), (64, 8, 5),
                                        (300, 8, 40), (40, 3, 500)])
 def test_walk_equals_the_torch_path(native, B, L, vocab):
@@ -306,26 +248,6 @@ def test_walk_refuses_a_parent_after_its_child(native):
 
 
 # ----------------------------------------------------------------------------- finish_verify
-
-
-def moves_by_hand(accepted_rows: torch.Tensor, starts: list[int], num_tokens: int):
-    """(src, dst, gather index, moved) written out per request: accepted node row q at depth
-    j moves from ``start + q`` to ``start + j`` unless it is there already."""
-    rows = accepted_rows.tolist()
-    depth = len(rows[0]) - 1
-    src, dst, gather, moved = [], [], list(range(num_tokens)), 0
-    for r, start in enumerate(starts):
-        for j in range(1, depth + 1):
-            q = rows[r][j]
-            s = d = -1
-            if q >= 0:
-                gather[start + j] = start + q
-                if q != j:
-                    s, d = start + q, start + j
-                    moved += 1
-            src.append(s)
-            dst.append(d)
-    return src, dst, gather, moved
 
 
 @pytest.mark.parametrize("B,L", [(12, 4), (64, 8), (5, 1)])

@@ -37,6 +37,11 @@ from typing import NamedTuple
 import torch
 
 from vllm_ddtree.kernels.native import cpu_ops
+from vllm_ddtree.kernels.verify_steps import (
+    MAX_TRITON_BUDGET,
+    build_tree_triton,
+    triton_stages,
+)
 from vllm_ddtree.sampling import cached_arange, row_chunks
 
 __all__ = [
@@ -338,7 +343,15 @@ def build_tree(
     k = min(num_slots, vocab)
     ops = cpu_ops(device)
     if ops is not None:  # the fused CPU kernel: the same tree in 3 ops
-        return _build_tree_native(ops, draft_logits, budget, budget_fn, num_slots, k)
+        return _build_tree_fused(draft_logits, budget, budget_fn, num_slots, k, ops.build_tree,
+                                 lambda values, ids, fields, budgets: ops.first_nodes(
+                                     *fields, budgets))
+    if triton_stages(device) and num_slots <= MAX_TRITON_BUDGET:  # Triton: 1 launch (2 with
+        # per-request budgets: the heap runs again, stopping at each request's budget)
+        return _build_tree_fused(draft_logits, budget, budget_fn, num_slots, k,
+                                 build_tree_triton,
+                                 lambda values, ids, fields, budgets: build_tree_triton(
+                                     values, ids, budgets, num_slots))
 
     top_values, top_ids = _ranked_log_probs(draft_logits, k)  # [batch, L, k] each
     pair_i, pair_j = _candidate_pairs(num_slots, k, device)  # [P] each
@@ -422,21 +435,23 @@ def build_tree(
     )
 
 
-def _build_tree_native(ops, draft_logits: torch.Tensor, budget, budget_fn: BudgetFn | None,
-                       max_budget: int, k: int) -> DraftTree:
-    """:func:`build_tree` with the fused CPU kernel (``torch.ops.ddtree.build_tree``: the
-    ranking and DDTree's best-first heap per request, kernels/csrc/ddtree_cpu.cpp). A budget
-    function or tensor builds the full-width tree first, then keeps each request's first
-    ``budget[r]`` nodes (``first_nodes``: a best-first prefix is a subtree)."""
+def _build_tree_fused(draft_logits: torch.Tensor, budget, budget_fn: BudgetFn | None,
+                      max_budget: int, k: int, build, keep) -> DraftTree:
+    """:func:`build_tree` with a fused op: the ranking and DDTree's best-first heap per request
+    in one call, ``build(values, token_ids, budget, max_budget)`` (the CPU op
+    ``torch.ops.ddtree.build_tree``, kernels/csrc/ddtree_cpu.cpp, or the Triton kernel
+    ``build_tree_triton``). A budget function or tensor builds the full-width tree first, then
+    ``keep(fields, budgets)`` keeps each request's first ``budget[r]`` nodes (a best-first
+    prefix is a subtree)."""
     values, token_ids = _top_log_probs(draft_logits, k)
     width_budget = max_budget if budget_fn is not None or isinstance(budget, torch.Tensor) \
         else int(budget)
-    fields = ops.build_tree(values, token_ids, width_budget, max_budget)
+    fields = build(values, token_ids, width_budget, max_budget)
     if budget_fn is not None:
         budget = budget_fn(fields[3], fields[2])  # (scores, depths) of the full-width tree
     if isinstance(budget, torch.Tensor):
-        fields = ops.first_nodes(*fields, budget.to(device=draft_logits.device,
-                                                    dtype=torch.int64))
+        budget = budget.to(device=draft_logits.device, dtype=torch.int64)
+        fields = keep(values, token_ids, fields, budget)
     token_ids, parents, depths, scores, num_nodes, mask = fields
     return DraftTree(token_ids=token_ids, parents=parents, depths=depths, scores=scores,
                      num_nodes=num_nodes, ancestor_mask=mask, max_depth=draft_logits.shape[1])

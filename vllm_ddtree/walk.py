@@ -24,6 +24,7 @@ from functools import lru_cache
 import torch
 
 from vllm_ddtree.kernels.native import cpu_ops
+from vllm_ddtree.kernels.verify_steps import triton_stages, walk_triton
 from vllm_ddtree.sampling import PLACEHOLDER_TOKEN_ID, SamplingBatch, sample_tokens
 from vllm_ddtree.tree import DraftTree
 
@@ -86,6 +87,10 @@ def walk(tree: DraftTree, sampled: torch.Tensor, out_width: int | None = None) -
         *fields, emitted = ops.walk(tree.token_ids, tree.parents, sampled.long(), depth,
                                     out_width or 0)
         return TreeVerdict(*fields, sampled_token_ids=emitted if out_width else None)
+    if triton_stages(sampled.device):  # the Triton kernel: one launch
+        *fields, emitted = walk_triton(tree.token_ids, tree.parents, tree.depths,
+                                       tree.ancestor_mask, sampled.long(), depth, out_width or 0)
+        return TreeVerdict(*fields, sampled_token_ids=emitted)
     node_rows, slot_floor, bit_shifts = _walk_tables(num_nodes, depth, sampled.device)
     sampled = sampled.long()
     # Padding nodes carry token -1, which no sample equals: they always fail.

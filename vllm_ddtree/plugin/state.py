@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from vllm_ddtree.kernels.native import cpu_ops
+from vllm_ddtree.kernels.verify_steps import finish_verify_triton, triton_stages
 from vllm_ddtree.plugin.options import DDTreeOptions
 from vllm_ddtree.plugin.policy import BudgetController
 from vllm_ddtree.sampling import cached_arange
@@ -699,6 +700,10 @@ class TreeState:
         ops = cpu_ops(self.device)
         if ops is not None:  # the fused CPU kernel: one op (the moved slots counted in it)
             src, dst, self.gather_index = ops.finish_verify(
+                verdict.accepted_rows, self.verify.starts, num_tokens, self._compacted)
+            return src, dst
+        if triton_stages(self.device):  # the Triton kernel: one launch
+            src, dst, self.gather_index = finish_verify_triton(
                 verdict.accepted_rows, self.verify.starts, num_tokens, self._compacted)
             return src, dst
         rows = verdict.accepted_rows[:, 1:]  # [R, L] query rows within the request, -1 pad
