@@ -346,8 +346,9 @@ def build_tree(
         return _build_tree_fused(draft_logits, budget, budget_fn, num_slots, k, ops.build_tree,
                                  lambda values, ids, fields, budgets: ops.first_nodes(
                                      *fields, budgets))
-    if triton_stages(device) and num_slots <= MAX_TRITON_BUDGET:  # Triton: 1 launch (2 with
-        # per-request budgets: the heap runs again, stopping at each request's budget)
+    if triton_stages(device) and num_slots <= MAX_TRITON_BUDGET:
+        # the Triton kernel on CUDA: one launch (two with per-request budgets: the heap runs
+        # again, stopping at each request's budget)
         return _build_tree_fused(draft_logits, budget, budget_fn, num_slots, k,
                                  build_tree_triton,
                                  lambda values, ids, fields, budgets: build_tree_triton(
@@ -441,8 +442,8 @@ def _build_tree_fused(draft_logits: torch.Tensor, budget, budget_fn: BudgetFn | 
     in one call, ``build(values, token_ids, budget, max_budget)`` (the CPU op
     ``torch.ops.ddtree.build_tree``, kernels/csrc/ddtree_cpu.cpp, or the Triton kernel
     ``build_tree_triton``). A budget function or tensor builds the full-width tree first, then
-    ``keep(fields, budgets)`` keeps each request's first ``budget[r]`` nodes (a best-first
-    prefix is a subtree)."""
+    ``keep(values, token_ids, fields, budgets)`` keeps each request's first ``budget[r]`` nodes
+    (a best-first prefix is a subtree)."""
     values, token_ids = _top_log_probs(draft_logits, k)
     width_budget = max_budget if budget_fn is not None or isinstance(budget, torch.Tensor) \
         else int(budget)
