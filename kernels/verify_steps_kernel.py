@@ -142,7 +142,7 @@ def build_tree_kernel(
     K: tl.constexpr,  # candidates per depth, min(B, vocab)
     B: tl.constexpr,  # max_budget, the padded width
     BLOCK_K: tl.constexpr,  # next power of two >= K
-    BLOCK_L: tl.constexpr,  # next power of two >= L
+    BLOCK_L: tl.constexpr,  # next power of two >= L + 1
     BLOCK_B: tl.constexpr,  # next power of two >= B + 2: nodes, frontier slots, mask rows
     BLOCK_W: tl.constexpr,  # next power of two >= W
     HAS_BUDGETS: tl.constexpr,
