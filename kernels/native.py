@@ -31,7 +31,8 @@ _state: dict = {}  # "ops": the namespace once loaded, "error": the build failur
 
 
 def enabled() -> bool:
-    """False when ``VLLM_DDTREE_NATIVE=0``: every stage takes its torch path."""
+    """False when ``VLLM_DDTREE_NATIVE=0``: every stage takes its torch path (on the CPU, and on
+    CUDA instead of the Triton stages of ``verify_steps``)."""
     return os.environ.get("VLLM_DDTREE_NATIVE", "1") not in ("0", "false", "False")
 
 
