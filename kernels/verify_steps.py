@@ -14,13 +14,20 @@ import torch
 from ._launch import check_launchable, next_power_of_2
 from .native import enabled
 
-__all__ = ["triton_stages", "walk_triton", "finish_verify_triton"]
+__all__ = ["triton_stages", "build_tree_triton", "walk_triton", "finish_verify_triton",
+           "warm_up"]
 
 
 def triton_stages(device: torch.device | str) -> bool:
     """True when the verify-step stages on ``device`` run these Triton kernels: CUDA, with the
     fused kernels enabled (``VLLM_DDTREE_NATIVE`` not 0)."""
     return torch.device(device).type == "cuda" and enabled()
+
+
+def _walk_block(num_nodes: int) -> int:
+    """The walk's node tile: 256 for every tree up to 256 nodes, so that the step's widest tree
+    (which follows auto's budgets) never compiles a new kernel while serving."""
+    return max(256, next_power_of_2(num_nodes))
 
 
 def walk_triton(token_ids: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
@@ -53,9 +60,8 @@ def walk_triton(token_ids: torch.Tensor, parents: torch.Tensor, depths: torch.Te
             num_nodes, ancestor_mask.shape[2], out_width,
             *token_ids.stride(), *parents.stride(), *depths.stride(), *ancestor_mask.stride(),
             *sampled.stride(),
-            DEPTH=depth, BLOCK_B=max(16, next_power_of_2(num_nodes)),
-            BLOCK_L=max(16, next_power_of_2(depth + 1)),
-            BLOCK_O=max(16, next_power_of_2(out_width)), EMIT=bool(out_width),
+            DEPTH=depth, BLOCK_B=_walk_block(num_nodes),
+            BLOCK_L=max(16, next_power_of_2(depth + 1)), EMIT=bool(out_width),
         )
     return (accepted_nodes, num_accepted, bonus, output_tokens, accepted_rows,
             emitted if out_width else None)
@@ -93,7 +99,7 @@ MAX_TRITON_BUDGET = 256  # the kernel keeps a tree's nodes and mask rows in regi
 
 def build_tree_triton(values: torch.Tensor, ids: torch.Tensor, budget: int | torch.Tensor,
                       max_budget: int):
-    """DDTree's tree from ranked-able top-k lists in one launch (``max_budget`` <= 256).
+    """DDTree's tree from the top-k lists of each depth in one launch (``max_budget`` <= 256).
 
     ``values`` / ``ids``: ``[R, L, K]`` float32 log-probabilities and int64 token ids
     (:func:`vllm_ddtree.tree._top_log_probs`, ties in any order); ``budget``: nodes per request
@@ -126,3 +132,23 @@ def build_tree_triton(values: torch.Tensor, ids: torch.Tensor, budget: int | tor
             BLOCK_W=max(16, next_power_of_2(words)), HAS_BUDGETS=per_request, num_warps=8,
         )
     return tokens, parents, depths, scores, num_nodes, mask
+
+
+def warm_up(budget: int, depth: int, vocab: int, device: torch.device) -> None:
+    """Compile every stage kernel a verify step of this engine launches (engine start, not
+    mid-serving): the tree build with one budget and with per-request budgets, the walk with
+    vLLM's output layout, finish_verify. Their compile keys depend only on the engine's B, L
+    and vocabulary (see the kernels' NOTE), never on the batch."""
+    k = min(budget, vocab)
+    if budget <= MAX_TRITON_BUDGET:
+        values = torch.zeros(1, depth, k, dtype=torch.float32, device=device)
+        ids = torch.arange(k, device=device).expand(1, depth, k).contiguous()
+        build_tree_triton(values, ids, budget, budget)
+        build_tree_triton(values, ids, torch.full((1,), budget, device=device), budget)
+    words = (budget + 1 + 31) // 32
+    none = torch.full((1, budget), -1, dtype=torch.int64, device=device)
+    mask = torch.zeros(1, budget + 1, words, dtype=torch.int32, device=device)
+    sampled = torch.zeros(1, budget + 1, dtype=torch.int64, device=device)
+    verdict = walk_triton(none, none, none.clamp(min=0), mask, sampled, depth, budget + 1)
+    finish_verify_triton(verdict[4], torch.zeros(1, dtype=torch.int64, device=device),
+                         budget + 1, torch.zeros((), dtype=torch.int64, device=device))

@@ -15,7 +15,12 @@ _MAX = tl.standard._elementwise_max
 _SUM = tl.standard._sum_combine
 
 
-@triton.jit
+# NOTE: Triton specialises integer arguments on their value (== 1, divisible by 16). The
+# batch, the step's widest tree (auto's budgets), vLLM's output width and the row strides that
+# follow them change every step: none is specialised, so the warm-up at engine start
+# (``warm_up``) compiles everything a step launches.
+@triton.jit(do_not_specialize=("num_nodes", "num_words", "out_width", "stride_tr", "stride_pr",
+                               "stride_dr", "stride_mr", "stride_mrow", "stride_sr"))
 def walk_kernel(
     token_ids_ptr, parents_ptr, depths_ptr,  # [R, B] int64 (strides below)
     mask_ptr,  # [R, B + 1, W] int32 packed ancestor rows (row k + 1 = node k, bit j + 1 = node j)
@@ -33,9 +38,8 @@ def walk_kernel(
     stride_mr, stride_mrow, stride_mw,
     stride_sr, stride_sk,
     DEPTH: tl.constexpr,  # L
-    BLOCK_B: tl.constexpr,  # next power of two >= B
+    BLOCK_B: tl.constexpr,  # a power of two >= B (fixed per engine, see the launcher)
     BLOCK_L: tl.constexpr,  # next power of two >= L + 1
-    BLOCK_O: tl.constexpr,  # EMIT: next power of two >= out_width
     EMIT: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
@@ -82,12 +86,13 @@ def walk_kernel(
     if EMIT:  # vLLM's layout: the output tokens, then -1
         emitted_row = emitted_ptr + r * out_width
         tl.store(emitted_row + d, output_tokens.to(tl.int32), mask=in_path & (d < out_width))
-        o = tl.arange(0, BLOCK_O)
-        tl.store(emitted_row + o, tl.full([BLOCK_O], -1, dtype=tl.int32),
-                 mask=(o > DEPTH) & (o < out_width))
+        o = tl.arange(0, 64)
+        for first in range(DEPTH + 1, out_width, 64):
+            tl.store(emitted_row + first + o, tl.full([64], -1, dtype=tl.int32),
+                     mask=first + o < out_width)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_reqs", "num_tokens"))
 def finish_verify_kernel(
     accepted_rows_ptr,  # [R, DEPTH + 1] int64 query rows within the request: 0, node + 1, -1
     starts_ptr,  # [R] int64 first query row of each request
@@ -125,7 +130,7 @@ def finish_verify_kernel(
     tl.atomic_add(moved_ptr, tl.reduce(moves.to(tl.int64), 0, _SUM))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("budget",))
 def build_tree_kernel(
     values_ptr,  # [R, L, K] float32 top-k log-probabilities per depth (any order of ties)
     ids_ptr,  # [R, L, K] int64 their token ids

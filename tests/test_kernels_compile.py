@@ -121,7 +121,7 @@ for width, block_w in ((16, 16), (256, 16)):  # B = 16 and 256, L = 15, K = B, 8
 
 types = {name: "*i64" for name in walk_kernel.arg_names if name.endswith("_ptr")}
 types.update(mask_ptr="*i32", emitted_ptr="*i32")
-k = compile_(walk_kernel, types, dict(DEPTH=15, BLOCK_B=256, BLOCK_L=16, BLOCK_O=256, EMIT=True))
+k = compile_(walk_kernel, types, dict(DEPTH=15, BLOCK_B=256, BLOCK_L=16, EMIT=True))
 report["walk_spills"] = spill_bytes(k)
 types = {name: "*i64" for name in finish_verify_kernel.arg_names if name.endswith("_ptr")}
 k = compile_(finish_verify_kernel, types, dict(DEPTH=15, BLOCK_L=16, BLOCK_T=256))

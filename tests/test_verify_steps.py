@@ -259,3 +259,40 @@ def test_the_state_and_the_walk_take_the_kernels_where_triton_stages_says(monkey
     assert verify_steps.triton_stages("cuda") and not verify_steps.triton_stages("cpu")
     monkeypatch.setenv("VLLM_DDTREE_NATIVE", "0")
     assert not verify_steps.triton_stages("cuda")
+
+
+def test_the_warm_up_compiles_every_kernel_a_step_launches(monkeypatch):
+    """``verify_steps.warm_up`` at engine start (B = 12, L = 4) launches each stage kernel with
+    the compile key of every later step: batches of 1 to 7 requests, trees cut to any width
+    (auto's budgets), vLLM's output width following them, int and per-request budgets, any
+    number of query rows never compile anew while serving."""
+    import vllm_ddtree.kernels.verify_steps_kernel as kernels_module
+    from triton_utils import LaunchRecorder
+
+    recorders = {}
+    for name in ("build_tree_kernel", "walk_kernel", "finish_verify_kernel"):
+        recorders[name] = LaunchRecorder(getattr(kernels_module, name))
+        monkeypatch.setattr(kernels_module, name, recorders[name])
+    B, L, vocab = 12, 4, 50
+    verify_steps.warm_up(B, L, vocab, torch.device(DEVICE))
+    warm = {name: set(r.keys) for name, r in recorders.items()}
+    assert [len(keys) for keys in warm.values()] == [2, 1, 1]  # build: one budget / per request
+    gen = torch.Generator().manual_seed(4)
+    moved = torch.zeros((), dtype=torch.int64, device=DEVICE)
+    for num_reqs, budget in ((1, B), (3, 5), (7, torch.tensor([12, 0, 3, 7, 1, 12, 9]))):
+        if isinstance(budget, torch.Tensor):
+            budget = budget.to(DEVICE)
+        logits = random_logits("ties", num_reqs, L, vocab, gen)
+        values, ids = _top_log_probs(logits, B)
+        fields = build_tree_triton(values.to(DEVICE), ids.to(DEVICE), budget, B)
+        tree = tree_module.DraftTree(*fields[:3], scores=fields[3], num_nodes=fields[4],
+                                     ancestor_mask=fields[5], max_depth=L)
+        for width in (B, 7, 1):
+            sub = tree.first_nodes(width)
+            sampled = torch.randint(0, vocab, (num_reqs, width + 1), generator=gen)
+            verdict = walk_triton(sub.token_ids, sub.parents, sub.depths, sub.ancestor_mask,
+                                  sampled.to(DEVICE), L, width + 1)
+            starts = torch.arange(num_reqs, device=DEVICE) * (width + 1)
+            finish_verify_triton(verdict[4], starts, num_reqs * (width + 1) + 3, moved)
+    for name, recorder in recorders.items():
+        assert set(recorder.keys) == warm[name], f"{name} compiled anew while serving"

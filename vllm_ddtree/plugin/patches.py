@@ -27,7 +27,7 @@ every symbol the plugin relies on must be as ``versions.REQUIREMENTS`` describes
    tree row (``features.py``);
    ``GPUModelRunner.initialize_kv_cache``: refuse attention layers the tree kernels cannot
    compute (``support.py``), build the K/V compactor once the caches exist and compile the
-   Triton kernels (engine start, not mid-serving).
+   Triton kernels, the verify-step stages' too (engine start, not mid-serving).
 6. ``GPUModelRunner._prepare_inputs``: build the verify trees; depth positions in place.
    A step in which no request has drafts and the budget policy does not draft at its end (a
    paused drafter) is prepared as vLLM prepares a step without speculation (no spec-decode
@@ -466,9 +466,14 @@ def _wrap_initialize_kv_cache(original):
         self.ddtree_compactor = KVCompactor(self)
         self.ddtree_compactor.warm_up()
         if self.device.type == "cuda":
+            from vllm_ddtree.kernels import verify_steps
             from vllm_ddtree.plugin.cuda_attention import warm_up_tree_attention
 
             warm_up_tree_attention(self)
+            if verify_steps.triton_stages(self.device):
+                state = self.ddtree_state
+                verify_steps.warm_up(state.budget, state.depth,
+                                     self.model_config.get_vocab_size(), self.device)
 
     return initialize_kv_cache
 
