@@ -145,10 +145,15 @@ def warm_up(budget: int, depth: int, vocab: int, device: torch.device) -> None:
         ids = torch.arange(k, device=device).expand(1, depth, k).contiguous()
         build_tree_triton(values, ids, budget, budget)
         build_tree_triton(values, ids, torch.full((1,), budget, device=device), budget)
-    words = (budget + 1 + 31) // 32
-    none = torch.full((1, budget), -1, dtype=torch.int64, device=device)
-    mask = torch.zeros(1, budget + 1, words, dtype=torch.int32, device=device)
-    sampled = torch.zeros(1, budget + 1, dtype=torch.int64, device=device)
-    verdict = walk_triton(none, none, none.clamp(min=0), mask, sampled, depth, budget + 1)
+    widths, block = [min(budget, 256)], 256  # a tree of each walk tile up to B (_walk_block)
+    while block < budget:
+        block *= 2
+        widths.append(min(budget, block))
+    for width in widths:
+        words = (width + 1 + 31) // 32
+        none = torch.full((1, width), -1, dtype=torch.int64, device=device)
+        mask = torch.zeros(1, width + 1, words, dtype=torch.int32, device=device)
+        sampled = torch.zeros(1, width + 1, dtype=torch.int64, device=device)
+        verdict = walk_triton(none, none, none.clamp(min=0), mask, sampled, depth, budget + 1)
     finish_verify_triton(verdict[4], torch.zeros(1, dtype=torch.int64, device=device),
                          budget + 1, torch.zeros((), dtype=torch.int64, device=device))

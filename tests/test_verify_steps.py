@@ -296,3 +296,16 @@ def test_the_warm_up_compiles_every_kernel_a_step_launches(monkeypatch):
             finish_verify_triton(verdict[4], starts, num_reqs * (width + 1) + 3, moved)
     for name, recorder in recorders.items():
         assert set(recorder.keys) == warm[name], f"{name} compiled anew while serving"
+
+
+def test_the_warm_up_covers_every_walk_tile_up_to_b(monkeypatch):
+    """B = 600: trees up to 256 nodes share one walk tile, wider ones take 512 or 1024; the
+    warm-up compiles every tile a step of this engine can reach (256, 512, 1024 for B = 600)."""
+    launched = []
+    monkeypatch.setattr(verify_steps, "walk_triton",
+                        lambda token_ids, *args: launched.append(token_ids.shape[1]) or [None] * 6)
+    monkeypatch.setattr(verify_steps, "finish_verify_triton", lambda *args: None)
+    monkeypatch.setattr(verify_steps, "build_tree_triton", lambda *args: None)
+    verify_steps.warm_up(600, 4, 50, torch.device(DEVICE))
+    assert launched == [256, 512, 600]
+    assert {verify_steps._walk_block(n) for n in launched} == {256, 512, 1024}
