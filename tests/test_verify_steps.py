@@ -302,8 +302,11 @@ def test_the_warm_up_covers_every_walk_tile_up_to_b(monkeypatch):
     """B = 600: trees up to 256 nodes share one walk tile, wider ones take 512 or 1024; the
     warm-up compiles every tile a step of this engine can reach (256, 512, 1024 for B = 600)."""
     launched = []
-    monkeypatch.setattr(verify_steps, "walk_triton",
-                        lambda token_ids, *args: launched.append(token_ids.shape[1]) or [None] * 6)
+    def walk_triton(token_ids, *args):
+        launched.append(token_ids.shape[1])
+        return [None] * 6
+
+    monkeypatch.setattr(verify_steps, "walk_triton", walk_triton)
     monkeypatch.setattr(verify_steps, "finish_verify_triton", lambda *args: None)
     monkeypatch.setattr(verify_steps, "build_tree_triton", lambda *args: None)
     verify_steps.warm_up(600, 4, 50, torch.device(DEVICE))
