@@ -40,7 +40,8 @@ Needs torch, no vLLM; on a machine without an install of the package, link its k
 first run on a machine builds the fused CPU ops (~20-40 s with g++, then cached). Writes
 ``benchmarks/results/cuda_stages_<device>.json``; exits non-zero when a configuration failed
 or differs from the reference.
-``--smoke``: the CPU, vocab 512, B {16, 64}, R {1, 2}, the torch path against the fused ops; no profiler, sync checks or graphs (seconds, for tests on machines without a GPU).
+``--smoke``: the CPU, vocab 512, B {16, 64}, R {1, 2}, the torch path against the fused ops;
+no profiler, sync checks or graphs (seconds, for tests on machines without a GPU).
 """
 
 from __future__ import annotations

@@ -186,7 +186,8 @@ def test_walk_chains_strided_views_and_empty_trees(torch_path):
     sampled = torch.randint(0, 5, (2, 5), generator=gen)
     got = triton_verdict(empty, sampled, 5)
     assert_verdicts_equal(got, walk(empty, sampled, 5), "no nodes")
-    assert got.num_accepted.tolist() == [0, 0] and got.bonus_token.tolist() == sampled[:, 0].tolist()
+    assert got.num_accepted.tolist() == [0, 0]
+    assert got.bonus_token.tolist() == sampled[:, 0].tolist()
 
 
 @pytest.mark.parametrize("B,L", [(12, 4), (64, 15), (300, 15), (5, 1)])
