@@ -23,7 +23,8 @@ import triton.language as tl
 DO_NOT_SPECIALIZE = ("num_slots", "group_size")
 
 
-@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE)
+# (in both lists: newer Tritons take an integer's divisibility by 16 from the alignment list)
+@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE, do_not_specialize_on_alignment=DO_NOT_SPECIALIZE)
 def compact_kv_kernel(
     cache_ptrs_ptr,  # [num_caches] int64 data pointers: K0, V0, K1, V1, ...
     src_slots_ptr,  # [num_slots] int32/int64, -1 = padding

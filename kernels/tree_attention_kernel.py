@@ -91,7 +91,8 @@ def _attend_tile(
 _SPLIT_ARGS = ("num_splits", "stride_ps", "stride_pt", "stride_mls", "stride_mlt", "stride_ml")
 
 
-@triton.jit(do_not_specialize=_SPLIT_ARGS)
+# (in both lists: newer Tritons take an integer's divisibility by 16 from the alignment list)
+@triton.jit(do_not_specialize=_SPLIT_ARGS, do_not_specialize_on_alignment=_SPLIT_ARGS)
 def tree_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (any strides)
@@ -229,7 +230,8 @@ def tree_attention_kernel(
         )
 
 
-@triton.jit(do_not_specialize=("batch",) + _SPLIT_ARGS)
+@triton.jit(do_not_specialize=("batch",) + _SPLIT_ARGS,
+            do_not_specialize_on_alignment=("batch",) + _SPLIT_ARGS)
 def combine_splits_kernel(
     part_acc_ptr,  # [num_splits, num_tokens, num_heads, HEAD_DIM] fp32
     part_ml_ptr,  # [2, num_splits, num_tokens, num_heads] fp32

@@ -15,12 +15,20 @@ _MAX = tl.standard._elementwise_max
 _SUM = tl.standard._sum_combine
 
 
-# NOTE: Triton specialises integer arguments on their value (== 1, divisible by 16). The
-# batch, the step's widest tree (auto's budgets), vLLM's output width and the row strides that
-# follow them change every step: none is specialised, so the warm-up at engine start
-# (``warm_up``) compiles everything a step launches.
-@triton.jit(do_not_specialize=("num_nodes", "num_words", "out_width", "stride_tr", "stride_pr",
-                               "stride_dr", "stride_mr", "stride_mrow", "stride_sr"))
+# NOTE: Triton specialises integer arguments on their value (== 1, divisible by 16) and
+# pointers on their 16-byte alignment. The batch, the step's widest tree (auto's budgets),
+# vLLM's output width and the row strides that follow them change every step, and the inputs
+# are views (the proposal store's rows, a row-index gather) whose alignment can too: none is
+# specialised, so the warm-up at engine start (``warm_up``) compiles everything a step launches.
+_WALK_INTS = ("num_nodes", "num_words", "out_width", "stride_tr", "stride_pr", "stride_dr",
+              "stride_mr", "stride_mrow", "stride_sr")
+
+
+# (integers go in both lists: newer Tritons take an integer's divisibility by 16 from the
+# alignment list)
+@triton.jit(do_not_specialize=_WALK_INTS,
+            do_not_specialize_on_alignment=_WALK_INTS + (
+                "token_ids_ptr", "parents_ptr", "depths_ptr", "mask_ptr", "sampled_ptr"))
 def walk_kernel(
     token_ids_ptr, parents_ptr, depths_ptr,  # [R, B] int64 (strides below)
     mask_ptr,  # [R, B + 1, W] int32 packed ancestor rows (row k + 1 = node k, bit j + 1 = node j)
@@ -92,7 +100,9 @@ def walk_kernel(
                      mask=first + o < out_width)
 
 
-@triton.jit(do_not_specialize=("num_reqs", "num_tokens"))
+@triton.jit(do_not_specialize=("num_reqs", "num_tokens"),
+            do_not_specialize_on_alignment=("num_reqs", "num_tokens", "accepted_rows_ptr",
+                                            "starts_ptr"))
 def finish_verify_kernel(
     accepted_rows_ptr,  # [R, DEPTH + 1] int64 query rows within the request: 0, node + 1, -1
     starts_ptr,  # [R] int64 first query row of each request
@@ -130,7 +140,8 @@ def finish_verify_kernel(
     tl.atomic_add(moved_ptr, tl.reduce(moves.to(tl.int64), 0, _SUM))
 
 
-@triton.jit(do_not_specialize=("budget",))
+@triton.jit(do_not_specialize=("budget",), do_not_specialize_on_alignment=("budget",
+                                                                           "budgets_ptr"))
 def build_tree_kernel(
     values_ptr,  # [R, L, K] float32 top-k log-probabilities per depth (any order of ties)
     ids_ptr,  # [R, L, K] int64 their token ids

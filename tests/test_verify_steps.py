@@ -290,10 +290,14 @@ def test_the_warm_up_compiles_every_kernel_a_step_launches(monkeypatch):
                                      ancestor_mask=fields[5], max_depth=L)
         for width in (B, 7, 1):
             sub = tree.first_nodes(width)
-            sampled = torch.randint(0, vocab, (num_reqs, width + 1), generator=gen)
+            # views that start 8 bytes into their storage, as the store's rows can
+            flat = torch.randint(0, vocab, (num_reqs * (width + 1) + 1,), generator=gen)
+            sampled = flat.to(DEVICE)[1:].view(num_reqs, width + 1)
             verdict = walk_triton(sub.token_ids, sub.parents, sub.depths, sub.ancestor_mask,
-                                  sampled.to(DEVICE), L, width + 1)
-            starts = torch.arange(num_reqs, device=DEVICE) * (width + 1)
+                                  sampled, L, width + 1)
+            starts = torch.cat([torch.full((1,), -7, device=DEVICE),
+                                torch.arange(num_reqs, device=DEVICE) * (width + 1)])[1:]
+            assert starts.data_ptr() % 16 != 0 and sampled.data_ptr() % 16 != 0
             finish_verify_triton(verdict[4], starts, num_reqs * (width + 1) + 3, moved)
     for name, recorder in recorders.items():
         assert set(recorder.keys) == warm[name], f"{name} compiled anew while serving"

@@ -29,7 +29,8 @@ def interpreter_on_cpu(device: str):
 def compile_key(kernel, args, kwargs) -> tuple:
     """What decides whether a launch of ``kernel`` reuses a compiled binary or compiles anew,
     following Triton's specialisation rules: the value of every ``tl.constexpr`` argument, the
-    dtype and 16-byte alignment of every tensor, and for every other integer (unless listed in
+    dtype and 16-byte alignment of every tensor (unless listed in
+    ``do_not_specialize_on_alignment``), and for every other integer (unless listed in
     ``do_not_specialize``) whether it equals 1 and whether it is divisible by 16; plus the
     launch options. Works on JIT and interpreted kernels alike (no GPU needed).
     """
@@ -39,8 +40,10 @@ def compile_key(kernel, args, kwargs) -> tuple:
     import triton.language as tl
 
     fn = kernel.fn
-    skip = set(getattr(kernel, "do_not_specialize", None)
-               or getattr(kernel, "kwargs", {}).get("do_not_specialize") or ())
+    def listed(name):
+        return set(getattr(kernel, name, None) or getattr(kernel, "kwargs", {}).get(name) or ())
+
+    skip, skip_alignment = listed("do_not_specialize"), listed("do_not_specialize_on_alignment")
     params = list(inspect.signature(fn).parameters.values())
     bound = dict(zip((p.name for p in params), args))
     bound.update({k: v for k, v in kwargs.items() if k in {p.name for p in params}})
@@ -50,7 +53,8 @@ def compile_key(kernel, args, kwargs) -> tuple:
         if p.annotation is tl.constexpr or p.annotation == "tl.constexpr":
             key.append((p.name, repr(value)))
         elif isinstance(value, torch.Tensor):
-            key.append((p.name, value.dtype, value.data_ptr() % 16 == 0))
+            aligned = None if p.name in skip_alignment else value.data_ptr() % 16 == 0
+            key.append((p.name, value.dtype, aligned))
         elif isinstance(value, bool) or not isinstance(value, int):
             key.append((p.name, type(value).__name__))
         elif p.name in skip:
