@@ -1,8 +1,9 @@
-"""Launchers of the verify step's walk and finish_verify on CUDA: one launch each.
+"""Launchers of the verify step's tree build, walk and finish_verify on CUDA: one launch each.
 
-The torch path of these stages (``vllm_ddtree/walk.py``, ``TreeState.finish_verify``) runs 20
-and 18 GPU launches per step (H200, ``benchmarks/cuda_stages.py``); these kernels do the same
-work, one program per request, with the same outputs bit for bit. :func:`triton_stages` says
+The torch path of these stages (``vllm_ddtree/tree.py``, ``vllm_ddtree/walk.py``,
+``TreeState.finish_verify``) runs 165-206, 20 and 18 GPU launches per step (H200,
+``benchmarks/cuda_stages.py``); these kernels do the same work, one program per request, with
+the same outputs bit for bit (the tree build after the torch log-softmax and top-k). :func:`triton_stages` says
 whether a device gets them (CUDA, unless ``VLLM_DDTREE_NATIVE=0`` selects the torch path, as
 on the CPU).
 """
