@@ -18,7 +18,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from tree_utils import hand_tree, moves_by_hand, path_samples, random_logits
+from tree_utils import (
+    TREE_FIELDS,
+    assert_verdicts_equal,
+    chain_trees,
+    hand_tree,
+    moves_by_hand,
+    path_samples,
+    random_logits,
+)
 
 from vllm_ddtree.kernels.native import cpu_ops
 from vllm_ddtree.plugin.options import DDTreeOptions
@@ -26,9 +34,6 @@ from vllm_ddtree.plugin.state import TreeState, VerifyBatch
 from vllm_ddtree.tree import DraftTree, _ancestor_mask, build_tree, reference_build_tree
 from vllm_ddtree.walk import walk
 
-TREE_FIELDS = ("token_ids", "parents", "depths", "scores", "num_nodes", "ancestor_mask")
-VERDICT_FIELDS = ("accepted_nodes", "num_accepted", "bonus_token", "output_tokens",
-                  "accepted_rows")
 
 
 @pytest.fixture
@@ -66,13 +71,6 @@ def assert_trees_equal(got: DraftTree, want: DraftTree, what: str = "") -> None:
                                                            a.shape, b.shape)
         assert torch.equal(a, b), f"{what}: DraftTree.{name} differs\nfused {a}\ntorch {b}"
     assert got.max_depth == want.max_depth, what
-
-
-def assert_verdicts_equal(got, want, what: str = "") -> None:
-    for name in VERDICT_FIELDS:
-        a, b = getattr(got, name), getattr(want, name)
-        assert a.dtype == b.dtype and a.shape == b.shape, (what, name)
-        assert torch.equal(a, b), f"{what}: TreeVerdict.{name} differs\nfused {a}\ntorch {b}"
 
 
 # ----------------------------------------------------------------------------------- cpu_ops
@@ -202,17 +200,11 @@ def test_walk_chains_and_empty_rows(native):
     """Chains (node k hangs off k - 1), cut at various lengths, and rows with no nodes."""
     gen = torch.Generator().manual_seed(11)
     width = 9
-    parents, tokens = [], []
-    for n in (9, 5, 0, 1, 9, 3):
-        parents.append(list(range(-1, n - 1)) + [-1] * (width - n))
-        tokens.append(torch.randint(0, 3, (n,), generator=gen).tolist() + [-1] * (width - n))
-    tree = hand_tree(parents, tokens, max_depth=width)
+    tree, whole = chain_trees(gen, width)
     for trial in range(20):
         sampled = path_samples(tree, 3, gen, follow=trial % 4 != 3)
         if trial == 0:  # every chain accepted whole
-            sampled = torch.tensor([t[:] for t in tokens])
-            sampled = torch.cat([sampled.clamp(min=0), torch.zeros(len(tokens), 1,
-                                                                   dtype=torch.long)], dim=1)
+            sampled = whole
         fused, ref = both_paths(native, lambda: walk(tree, sampled))
         assert_verdicts_equal(fused, ref, f"chains, trial {trial}")
         if trial == 0:

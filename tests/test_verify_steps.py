@@ -14,7 +14,15 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from tree_utils import hand_tree, moves_by_hand, path_samples, random_logits
+from tree_utils import (
+    TREE_FIELDS,
+    assert_verdicts_equal,
+    chain_trees,
+    hand_tree,
+    moves_by_hand,
+    path_samples,
+    random_logits,
+)
 from triton_utils import interpreter_on_cpu
 
 import vllm_ddtree.plugin.state as state_module
@@ -53,20 +61,6 @@ def triton_verdict(tree, sampled, out_width=0) -> TreeVerdict:
                                    sampled.to(DEVICE).long(), tree.max_depth, out_width)
     return TreeVerdict(*(f.cpu() for f in fields),
                        sampled_token_ids=None if emitted is None else emitted.cpu())
-
-
-def assert_verdicts_equal(got, want, what):
-    for name in ("accepted_nodes", "num_accepted", "bonus_token", "output_tokens",
-                 "accepted_rows", "sampled_token_ids"):
-        a, b = getattr(got, name), getattr(want, name)
-        if b is None:
-            assert a is None, f"{what}: {name}"
-            continue
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {name} {a.dtype} {b.dtype}"
-        assert torch.equal(a, b), f"{what}: {name}\ntriton {a}\ntorch  {b}"
-
-
-TREE_FIELDS = ("token_ids", "parents", "depths", "scores", "num_nodes", "ancestor_mask")
 
 
 def triton_tree(logits, budget, max_budget):
@@ -167,12 +161,7 @@ def test_walk_chains_strided_views_and_empty_trees(torch_path):
     whose scheduler kept fewer nodes); trees without any node."""
     gen = torch.Generator().manual_seed(3)
     width = 9
-    parents, tokens = [], []
-    for n in (9, 5, 0, 1, 9, 3):
-        parents.append(list(range(-1, n - 1)) + [-1] * (width - n))
-        tokens.append(torch.randint(0, 3, (n,), generator=gen).tolist() + [-1] * (width - n))
-    tree = hand_tree(parents, tokens, max_depth=width)
-    whole = torch.cat([torch.tensor(tokens).clamp(min=0), torch.zeros(6, 1, dtype=torch.long)], 1)
+    tree, whole = chain_trees(gen, width)
     assert triton_verdict(tree, whole).num_accepted.tolist() == [9, 5, 0, 1, 9, 3]
     for trial in range(6):
         sampled = whole if trial == 0 else path_samples(tree, 3, gen, follow=trial % 3 != 2)

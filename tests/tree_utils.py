@@ -1,11 +1,28 @@
-"""Trees, target samples and expected moves shared by the tests of the walk and finish_verify
-(the fused CPU ops in test_native.py, the Triton kernels in test_verify_steps.py)."""
+"""Trees, target samples, expected moves and comparisons shared by the tests of the tree
+build, the walk and finish_verify (the fused CPU ops in test_native.py, the Triton kernels in
+test_verify_steps.py)."""
 
 from __future__ import annotations
 
 import torch
 
 from vllm_ddtree.tree import DraftTree, _ancestor_mask
+
+TREE_FIELDS = ("token_ids", "parents", "depths", "scores", "num_nodes", "ancestor_mask")
+VERDICT_FIELDS = ("accepted_nodes", "num_accepted", "bonus_token", "output_tokens",
+                  "accepted_rows")
+
+
+def assert_verdicts_equal(got, want, what: str = "") -> None:
+    """Every field of two TreeVerdicts, vLLM's output layout too when either has one: dtype,
+    shape and values."""
+    for name in VERDICT_FIELDS + ("sampled_token_ids",):
+        a, b = getattr(got, name), getattr(want, name)
+        if a is None or b is None:
+            assert a is b, f"{what}: TreeVerdict.{name} is {a} against {b}"
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape, (what, name, a.dtype, b.dtype)
+        assert torch.equal(a, b), f"{what}: TreeVerdict.{name} differs\ngot  {a}\nwant {b}"
 
 
 def random_logits(kind: str, batch: int, depth: int, vocab: int, gen: torch.Generator):
@@ -85,3 +102,15 @@ def moves_by_hand(accepted_rows: torch.Tensor, starts: list[int], num_tokens: in
             src.append(s)
             dst.append(d)
     return src, dst, gather, moved
+
+
+def chain_trees(gen: torch.Generator, width: int = 9, lengths=(9, 5, 0, 1, 9, 3)):
+    """Chains (node k hangs off k - 1) of the given lengths over tokens 0..2, -1 padded to
+    ``width`` nodes; and the ``[R, width + 1]`` target samples that accept every chain whole."""
+    parents, tokens = [], []
+    for n in lengths:
+        parents.append(list(range(-1, n - 1)) + [-1] * (width - n))
+        tokens.append(torch.randint(0, 3, (n,), generator=gen).tolist() + [-1] * (width - n))
+    whole = torch.cat([torch.tensor(tokens).clamp(min=0),
+                       torch.zeros(len(lengths), 1, dtype=torch.long)], dim=1)
+    return hand_tree(parents, tokens, max_depth=width), whole
