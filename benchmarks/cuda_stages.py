@@ -217,9 +217,9 @@ def compare(reference: dict, got: dict) -> dict:
 
 
 @contextlib.contextmanager
-def cpu_path(fused: bool):
-    """The CPU stages on the fused ops or the torch path (``cpu_ops`` reads the variable at
-    each call)."""
+def stage_path(fused: bool):
+    """Every stage on its fused ops (the CPU's C++ ops, CUDA's Triton kernels) or on its torch
+    path (``cpu_ops`` and ``triton_stages`` read the variable at each call)."""
     saved = os.environ.get("VLLM_DDTREE_NATIVE")
     os.environ["VLLM_DDTREE_NATIVE"] = "1" if fused else "0"
     try:
@@ -389,7 +389,7 @@ def check_graph(fn, new_inputs: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
 
 def graph_checks(budget: int, num_reqs: int, vocab: int, device: torch.device,
                  path: str) -> dict:
-    with cpu_path(fused=path == "triton"):
+    with stage_path(fused=path == "triton"):
         return _graph_checks(budget, num_reqs, vocab, device)
 
 
@@ -439,7 +439,7 @@ def measure(budget: int, num_reqs: int, vocab: int, device: torch.device, path: 
     path of every stage) or "triton" (CUDA's fused kernels, ``kernels/verify_steps.py``)."""
     start = time.time()
     logits = drafter_logits(budget, num_reqs, vocab, seed=1)
-    with cpu_path(fused=True):
+    with stage_path(fused=True):
         inputs = step_inputs(logits, build_tree(logits, budget))
         state = TreeState(DDTreeOptions(budget=budget, depth=DEPTH), torch.device("cpu"),
                           max_num_reqs=num_reqs)
@@ -451,7 +451,7 @@ def measure(budget: int, num_reqs: int, vocab: int, device: torch.device, path: 
               # the trees' shape: the deepest node and the accepted nodes, per request
               "mean_tree_depth": float(reference["build_tree.depths"].amax(1).double().mean()),
               "mean_accepted": float(reference["walk.num_accepted"].double().mean())}
-    with cpu_path(fused=path == "triton"):
+    with stage_path(fused=path == "triton"):
         state = TreeState(DDTreeOptions(budget=budget, depth=DEPTH), device,
                           max_num_reqs=num_reqs)
         for _ in range(WARMUP_STEPS):
@@ -542,7 +542,7 @@ def main() -> None:
         shape, device = FULL, torch.device("cuda", torch.cuda.current_device())  # as vLLM's
         name = torch.cuda.get_device_name().replace(" ", "_")
     start = time.time()
-    with cpu_path(fused=True):
+    with stage_path(fused=True):
         fused = cpu_ops("cpu") is not None  # builds the fused CPU ops on a first use
     if args.smoke and not fused:
         sys.exit("--smoke compares the CPU's torch path with the fused ops, which could not be "
