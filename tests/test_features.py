@@ -7,8 +7,9 @@ plain decoding's law exactly when every row's processed logits are plain decodin
 same history (the request's output tokens plus the row's path). That is what this file checks,
 row by row, for every feature at once and each alone, with vLLM's own functions as the oracle
 where they exist (``apply_all_penalties`` and ``_apply_bad_words_single_batch`` on the row's
-explicit history, the built-in processors' rules written out per row otherwise); then the
-sampler's greedy choice and its min_p step. Engine-level identity with plain decoding is in
+explicit history, a non-speculative ``ThinkingBudgetStateHolder`` stepped token by token along
+it as plain decoding steps it, the built-in processors' rules written out per row otherwise);
+then the sampler's greedy choice and its min_p step. Engine-level identity with plain decoding is in
 ``test_vllm_features.py``.
 """
 
@@ -25,14 +26,21 @@ from vllm.v1.sample.logits_processor.builtin import (
     MinTokensLogitsProcessor,
 )
 from vllm.v1.sample.ops.bad_words import _apply_bad_words_single_batch
+from vllm.v1.sample.logits_processor.interface import BatchUpdate
 from vllm.v1.sample.ops.penalties import apply_all_penalties
+from vllm.v1.sample.thinking_budget_state import ThinkingBudgetStateHolder
 
-from vllm_ddtree.plugin.features import TreeFeatures
+from vllm_ddtree.plugin.features import ForcedRows, TreeFeatures, forced_tokens
 from vllm_ddtree.sampling import RowSampling, SamplingBatch, sample_rows
 from vllm_ddtree.tree import build_tree
 
 VOCAB = 12
 DEVICE = torch.device("cpu")
+# thinking: a one-token start, a two-token end (vLLM forces it token by token)
+THINK = types.SimpleNamespace(reasoning_start_token_ids=[3], reasoning_end_token_ids=[7, 9])
+# request -> (prompt, budget): request 0's prompt ends inside a thinking section, the others
+# enter one when they emit token 3; request 1 has no budget
+THINKING = {0: ([5, 3, 1], 3), 2: ([4, 4], 1), 3: ([2, 8, 6], 2)}
 
 
 def _step(seed: int, num_draft=(10, 6, 0, 10), depth=4, budget=10):
@@ -86,7 +94,32 @@ def _metadata(num_reqs: int, gen: torch.Generator, features: set[str]):
     if "min_p" in features:
         min_p.min_p_cpu[:num_reqs] = [0.2, 0.0, 0.5, 0.05][:num_reqs]
         min_p.min_p_count = 3
+    if "thinking" in features:
+        meta.thinking_budget_state_holder = _thinking_holder(
+            {r: (prompt, budget, outputs[r]) for r, (prompt, budget) in THINKING.items()
+             if r < num_reqs}, num_spec_tokens=16)  # the engine's: speculative
     return meta
+
+
+def _thinking_holder(requests, num_spec_tokens: int) -> ThinkingBudgetStateHolder:
+    holder = ThinkingBudgetStateHolder(THINK, 8, num_spec_tokens, DEVICE, False)
+    added = [(r, types.SimpleNamespace(thinking_token_budget=budget), prompt, output)
+             for r, (prompt, budget, output) in requests.items()]
+    holder.sync_batch(BatchUpdate(batch_size=8, removed=[], added=added, moved=[]))
+    return holder
+
+
+def _plain_forced(prompt: list[int], budget: int, history: list[int]) -> int | None:
+    """The token plain decoding forces after ``history``: vLLM's holder without speculation,
+    stepped as its sampler steps it, once per decode step (output lengths 0 .. len(history)),
+    through its public calls; the last step's forced logit names the token."""
+    holder = _thinking_holder({0: (prompt, budget, [])}, num_spec_tokens=0)
+    for length in range(len(history) + 1):
+        holder.update_state([list(history[:length])], [[]])
+        logits = holder.apply_to_logits(torch.zeros(1, VOCAB), False, [[]])
+    hit = (logits[0] == 1e9).nonzero().flatten().tolist()
+    assert len(hit) <= 1
+    return hit[0] if hit else None
 
 
 def _row_history(tree, meta, request: int, node: int) -> list[int]:
@@ -120,6 +153,10 @@ def _oracle_row(logits_row, tree, meta, request: int, node: int) -> torch.Tensor
                                 meta.presence_penalties[request:request + 1],
                                 meta.frequency_penalties[request:request + 1],
                                 meta.repetition_penalties[request:request + 1], [history])
+    if getattr(meta, "thinking_budget_state_holder", None) is not None and request in THINKING:
+        forced = _plain_forced(*THINKING[request], history)
+        if forced is not None:
+            x[0, forced] = 1e9
     return x[0]
 
 
@@ -127,7 +164,7 @@ def _rows(num_draft):
     return [(r, i - 1) for r, m in enumerate(num_draft) for i in range(m + 1)]
 
 
-ALL = {"allowed", "bad_words", "min_tokens", "logit_bias", "penalties", "min_p"}
+ALL = {"allowed", "bad_words", "min_tokens", "logit_bias", "penalties", "min_p", "thinking"}
 
 
 @pytest.mark.parametrize("features", [{f} for f in sorted(ALL - {"min_p"})] + [ALL])
@@ -213,3 +250,63 @@ def test_sample_rows_greedy_and_min_p_follow_the_processed_rows():
         seen[torch.arange(len(rows)), tokens] = True
     assert not (seen & ~allowed).any()
     assert (allowed.sum(-1) < (probs > 0).sum(-1)).any(), "min_p masked nothing"
+
+
+def _oracle_forced(tree, outputs, num_draft) -> list[int]:
+    """Plain decoding's forced token per flat row (-1: none), from each row's explicit history."""
+    meta = types.SimpleNamespace(output_token_ids=outputs)
+    return [-1 if r not in THINKING else (lambda f: -1 if f is None else f)(
+                _plain_forced(*THINKING[r], _row_history(tree, meta, r, n)))
+            for r, n in _rows(num_draft)]
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_thinking_budget_follows_the_output_across_steps(seed):
+    """Four verify steps of one batch, each emitting a path of its tree (as the walk does):
+    every step's forced rows are plain decoding's after the row's history, so the state kept
+    between steps (advanced by the emitted tokens) is right, with trees and without drafts
+    (``ForcedRows``, vLLM's sampler interface); and the forcing depends on the path (some
+    request has forced and free rows in one step)."""
+    gen = torch.Generator().manual_seed(seed)
+    outputs = [[], [1], [3, 0], [6, 3]]
+    holder = _thinking_holder({r: (prompt, budget, outputs[r])
+                               for r, (prompt, budget) in THINKING.items()}, num_spec_tokens=16)
+    mixed = False
+    for step in range(4):
+        num_draft = [0] * 4 if step == 2 else [10, 6, 0, 10]
+        tree = build_tree(torch.randn(4, 4, VOCAB, generator=gen) * 2, 10)
+        got = forced_tokens(holder, outputs, tree.token_ids.tolist(), tree.parents.tolist(),
+                            num_draft, DEVICE)
+        want = _oracle_forced(tree, outputs, num_draft)
+        assert (got.tolist() if got is not None else [-1] * len(want)) == want, step
+        if step == 2:  # no drafts: vLLM's sampler gets the forced rows through ForcedRows
+            logits = torch.zeros(4, VOCAB)
+            ForcedRows(got).apply_to_logits(logits)
+            assert [int(row.argmax()) if row.max() > 0 else -1 for row in logits] == want
+        rows = _rows(num_draft)
+        for r in range(4):
+            mine = {want[i] >= 0 for i, (q, _) in enumerate(rows) if q == r}
+            mixed |= mine == {True, False}
+        for r, m in enumerate(num_draft):  # emit the path to a random node (or the root)
+            node = int(torch.randint(-1, m, (1,), generator=gen)) if m else -1
+            path = _row_history(tree, types.SimpleNamespace(output_token_ids=[[]] * 4), r, node)
+            outputs[r].extend(path + [int(torch.randint(0, VOCAB, (1,), generator=gen))])
+    assert mixed, "no request had forced and free rows in one step: the path never mattered"
+    assert any(len(outputs[r]) > 8 for r in THINKING)
+
+
+def test_thinking_state_of_a_finished_request_is_not_inherited():
+    """vLLM's condense() moves a request into a finished one's slot without reporting the
+    removal; its holder then keeps the finished request's state there. The moved request has
+    no budget: none of its rows is forced, and the stale entry is dropped."""
+    from vllm.v1.sample.logits_processor.interface import MoveDirectionality
+
+    finished, moved = [3, 1, 1, 1, 1, 1], [2, 2]
+    holder = _thinking_holder({0: ([3], 1, finished)}, num_spec_tokens=16)
+    outputs = [finished, moved]
+    assert forced_tokens(holder, outputs, [[]] * 2, [[]] * 2, [0, 0], DEVICE).tolist() == [7, -1]
+    holder.sync_batch(BatchUpdate(batch_size=1, removed=[], added=[],
+                                  moved=[(1, 0, MoveDirectionality.UNIDIRECTIONAL)]))
+    assert 0 in holder._state  # vLLM's leftover
+    assert forced_tokens(holder, [moved], [[]], [[]], [0], DEVICE) is None
+    assert not holder.has_tracked_requests()

@@ -493,14 +493,14 @@ def test_every_request_feature_is_served(engine):
     assert outs[0].outputs[0].logprobs is not None and len(outs[0].outputs[0].logprobs) == 16
 
 
-def test_thinking_budget_is_rejected_and_the_engine_keeps_serving(engine):
-    """``thinking_token_budget`` (vLLM's thinking-budget state follows chains of drafts) is
-    refused per request: ``LLM.generate`` aborts the batch, nothing is left over, the engine
-    still serves the same outputs."""
+def test_thinking_budget_without_reasoning_config_is_vllms_error(engine):
+    """``thinking_token_budget`` is served (``test_vllm_features.py``); without a reasoning
+    config vLLM itself refuses it, as it does without speculation: ``LLM.generate`` aborts the
+    batch, nothing is left over, the engine still serves the same outputs."""
     llm, before = engine
     good = SamplingParams(**GREEDY)
     bad = SamplingParams(**GREEDY, thinking_token_budget=8)
-    with pytest.raises(VLLMValidationError, match="thinking_token_budget"):
+    with pytest.raises(VLLMValidationError, match="reasoning_config is not configured"):
         llm.generate([PROMPT, "x", PROMPT], [good, good, bad], use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
     assert llm.llm_engine.get_num_unfinished_requests() == 0
@@ -527,12 +527,8 @@ def test_ddtree_serves_what_vllm_refuses_under_speculation(spec_configs, feature
     params._validate_spec_decode(tree)
 
 
-def test_thinking_budget_refusal_is_ddtree_only(spec_configs):
+def test_thinking_budget_passes_validation(spec_configs):
     dflash, tree = spec_configs
     params = SamplingParams(**GREEDY, thinking_token_budget=8)
-    params._validate_spec_decode(None)
-    params._validate_spec_decode(dflash)
-    with pytest.raises(VLLMValidationError) as info:
-        params._validate_spec_decode(tree)
-    assert "ddtree" in str(info.value) and "thinking_token_budget" in str(info.value)
-    SamplingParams(**GREEDY)._validate_spec_decode(tree)  # the plain request is fine
+    for config in (None, dflash, tree):
+        params._validate_spec_decode(config)

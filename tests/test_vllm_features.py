@@ -1,6 +1,6 @@
 """ddtree inside vLLM 0.32 (CPU): the per-request features that change the sampled law (logprobs,
-penalties, min_tokens, bad_words, allowed_token_ids, logit_bias, min_p, structured outputs) give
-exactly the output of decoding without speculation.
+penalties, min_tokens, bad_words, allowed_token_ids, logit_bias, min_p, structured outputs,
+thinking budgets) give exactly the output of decoding without speculation.
 
 Oracle: the same engine settings without a speculative config, run once over the same list of
 cases. Every case is one request of one ``llm.generate`` call, so requests with different
@@ -35,7 +35,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_TOKENS = 32
 # structured outputs: xgrammar (works on this CPU install) without free whitespace, so that the
 # tiny target's JSON closes instead of running into max_tokens in blank lines
-ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=512,
+# thinking budgets: 'self' opens a thinking section, 'get_name' (3 tokens) closes it
+REASONING = {"reasoning_start_str": "self", "reasoning_end_str": "get_name"}
+ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=512, reasoning_config=REASONING,
               structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
 BUDGET = 16
 LOGPROB_TOL = 1e-4
@@ -106,6 +108,10 @@ CASES = [
                                  bad_words=["path"], logit_bias={275: 2.0}, min_p=0.2, logprobs=2),
          base="greedy_B"),
     Case("choice_A", A, so(choice=CHOICES)),
+    # A's prompt ends inside a thinking section ('self' in 'push(self, item)'); B's greedy
+    # text opens one with its first token
+    Case("thinking_A", A, greedy(thinking_token_budget=4), base="greedy_A"),
+    Case("thinking_B", B, greedy(thinking_token_budget=6, logprobs=2), base="greedy_B"),
 ]
 NAMES = [c.name for c in CASES]
 BY_NAME = {c.name: c for c in CASES}
@@ -254,7 +260,7 @@ ORACLE_MAX_TOKENS = 40
 # the target's logits after every prefix: 'self' 40, '.' 38, 'path' 37, 'get' 36, 'name' 35, the
 # rest 0 (the drafter shares the lm_head, so it drafts 'self' chains with these as siblings)
 ORACLE_LOGITS = {268: 40.0, 17: 38.0, 459: 37.0, 396: 36.0, 366: 35.0}
-ORACLE_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=1024)
+ORACLE_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=1024, reasoning_config=REASONING)
 
 
 def oracle_greedy(**kw) -> SamplingParams:
@@ -283,6 +289,9 @@ ORACLE_CASES = [
          base="greedy"),
     Case("logprobs0", PROMPTS[4], oracle_greedy(logprobs=0)),
     Case("greedy_2", PROMPTS[5], oracle_greedy()),
+    # the first 'self' opens a thinking section: 6 tokens, then 'get_name' is forced (3
+    # tokens), then the next 'self' opens the next: forced rows at depths set by each path
+    Case("thinking", PROMPTS[0], oracle_greedy(thinking_token_budget=6), base="greedy"),
     # structured outputs draft their tree's best path as a chain: 'self' repeated is valid
     Case("regex_self", PROMPTS[1], SamplingParams(
         temperature=0.0, max_tokens=ORACLE_MAX_TOKENS,

@@ -6,7 +6,7 @@ greedy checks: an in-process engine *without* speculation (same target, float32,
 the server), run once and closed before the server starts; the server returns its ids with
 ``return_token_ids``. A battery of request shapes with the features that change the sampled law
 (logprobs, penalties, min_tokens, bad_words, allowed_token_ids, logit_bias, min_p, response_format,
-structured_outputs, tool_choice), plain and streamed, must give that oracle's text, ids and
+structured_outputs, tool_choice, thinking_token_budget), plain and streamed, must give that oracle's text, ids and
 logprobs; the server runs with xgrammar without free whitespace and the pythonic tool parser for
 those. The fixture's teardown is the shutdown check: SIGTERM to the API server alone,
 exit in time, no traceback in the log (bar vLLM's own shutdown race, see
@@ -43,8 +43,12 @@ STARTUP_TIMEOUT = 300.0
 # calls: a parser is needed for tool_choice "required" / named, pythonic is one without a
 # structural tag, so they are plain JSON-schema constraints (identical in-process)
 STRUCTURED = {"backend": "xgrammar", "disable_any_whitespace": True}
+# thinking budgets: 'class' (both greedy texts have it early) opens a thinking section,
+# 'get_name' (3 tokens) is forced to close it
+REASONING = {"reasoning_start_str": "class", "reasoning_end_str": "get_name"}
 SERVER_ARGS = ["--structured-outputs-config", json.dumps(STRUCTURED),
-               "--tool-call-parser", "pythonic", "--enable-auto-tool-choice"]
+               "--tool-call-parser", "pythonic", "--enable-auto-tool-choice",
+               "--reasoning-config", json.dumps(REASONING)]
 LOGPROB_TOL = 1e-4
 SHUTDOWN_TIMEOUT = 30.0  # SIGTERM to the API server alone must stop it and its engine core within this
 
@@ -194,6 +198,8 @@ BATTERY = [
     Shape("c_logit_bias", "completions", body=dict(logit_bias={str(k): v for k, v in _BIAS.items()}),
           params=dict(logit_bias=_BIAS), base="c_greedy"),
     Shape("c_min_p", "completions", extra={"min_p": 0.2}, params=dict(min_p=0.2)),
+    Shape("c_thinking", "completions", extra={"thinking_token_budget": 4},
+          params=dict(thinking_token_budget=4), base="c_greedy"),
     Shape("c_choice", "completions", extra={"structured_outputs": {"choice": CHOICES}},
           structured=dict(choice=CHOICES), ignore_eos=False),
     Shape("c_regex", "completions", extra={"structured_outputs": {"regex": REGEX}},
@@ -224,6 +230,8 @@ BATTERY = [
     Shape("chat_logit_bias", "chat", body=dict(logit_bias={"202": -100, "457": 5}),
           params=dict(logit_bias={202: -100.0, 457: 5.0}), base="chat_greedy"),
     Shape("chat_min_p", "chat", extra={"min_p": 0.2}, params=dict(min_p=0.2)),
+    Shape("chat_thinking", "chat", extra={"thinking_token_budget": 3},
+          params=dict(thinking_token_budget=3), base="chat_greedy"),
     Shape("chat_json_object", "chat", body=dict(response_format={"type": "json_object"}),
           structured=dict(json_object=True)),
     Shape("chat_json_schema", "chat",
@@ -427,7 +435,7 @@ def plain():
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    llm = make_llm(None, structured_outputs_config=STRUCTURED)
+    llm = make_llm(None, structured_outputs_config=STRUCTURED, reasoning_config=REASONING)
     try:
         outs = llm.generate(PROMPTS, params, use_tqdm=False) + llm.chat(CHAT, params, use_tqdm=False)
         battery = _plain_battery(llm)

@@ -16,6 +16,8 @@ applies to a row with that history, in vLLM's order:
    while ``len(output) + depth < min_tokens`` (vLLM's rule for structured-output requests:
    unless that leaves the row at -inf), ``logit_bias`` adds its biases;
 4. presence / frequency / repetition penalties, counting the output's tokens plus the path's;
+5. ``thinking_token_budget``: the row's next token is forced (its logit set to 1e9) where plain
+   decoding's thinking-budget state after the row's history forces it (:func:`forced_tokens`);
 
 and, after the temperature (random rows only, as vLLM does), ``min_p`` (:meth:`after_temperature`).
 The law of every row is then the law of plain decoding after the same history, so the walk,
@@ -23,7 +25,9 @@ which is lossless for any per-row law, keeps plain decoding's output law.
 
 Everything is on the device and sync-free; the host builds small per-request tables (bad words,
 stop tokens, biases: what vLLM's own processors build) once per step, only for the features
-present. Memory: one ``[rows, V + 1]`` count table per chunk of rows with penalties.
+present. Memory: one ``[rows, V + 1]`` count table per chunk of rows with penalties. The one
+exception is the thinking budget: its state machine is vLLM's host code, so a step with such a
+request reads its trees on the host (a synchronisation on CUDA, in those steps only).
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ class TreeFeatures:
         self.processors: list[tuple[str, tuple[torch.Tensor, ...]]] = []  # in vLLM's order
         self.penalties: tuple[torch.Tensor, ...] | None = None
         self.min_p: torch.Tensor | None = None  # [R] float32
+        self.forced: torch.Tensor | None = None  # [T] int64: the token forced on a row, -1 none
 
     # ---- building ---------------------------------------------------------------------------
 
@@ -113,6 +118,15 @@ class TreeFeatures:
             if min_p is not None:
                 features.min_p = min_p
                 active = True
+        holder = getattr(sampling_metadata, "thinking_budget_state_holder", None)
+        if isinstance(holder, ForcedRows):  # a step without drafts: computed already
+            features.forced = holder.forced
+            active = True
+        elif holder is not None and holder.has_tracked_requests():
+            num_nodes = torch.diff(cu_num_rows.long(), prepend=cu_num_rows.new_zeros(1)) - 1
+            features.forced = forced_tokens(holder, outputs, tree.token_ids.tolist(),
+                                            tree.parents.tolist(), num_nodes.tolist(), device)
+            active = active or features.forced is not None
         if not active:
             return None
         features.rows = TreeRows.of(tree, cu_num_rows, num_rows)
@@ -182,6 +196,8 @@ class TreeFeatures:
                                     torch.where(request[:, None] == word_request, bias, 0.0))
         if self.penalties is not None:
             self._apply_penalties(logits, row_ids, request)
+        if self.forced is not None:
+            force(logits, self.forced[row_ids])
         return logits
 
     def after_temperature(self, logits: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
@@ -293,3 +309,117 @@ def _min_p(processor, num_reqs: int, device: torch.device) -> torch.Tensor | Non
     if not processor.min_p_count:
         return None
     return to_device(processor.min_p_cpu[:num_reqs].copy(), torch.float32, device)
+
+
+# ---- thinking budgets ---------------------------------------------------------------------------
+
+PLAIN_STATE = "ddtree_plain"  # our key in vLLM's per-request thinking state: see forced_tokens
+FORCED_LOGIT = 1e9  # vLLM's (ThinkingBudgetStateHolder._apply_forcing_to_logits)
+
+
+def _plain_step(holder, state: dict, output: list[int]) -> tuple[dict, int | None]:
+    """One sampler call of plain decoding (no speculation) for a request whose output is
+    ``output``: vLLM's ``ThinkingBudgetStateHolder.update_state`` then ``apply_to_logits``, on a
+    copy of ``state``. Returns the new state and the token forced on the row that predicts the
+    token after ``output`` (None: not forced). Without speculation the forced row is always
+    the request's one row (``force_index`` 0)."""
+    state = dict(state)  # vLLM replaces the state's values, never mutates them in place
+    state.update(output_tok_ids=output, spec_token_ids=[], in_spec_mode=False, force_index=[])
+    holder._update_think_state(state)
+    if not state.get("in_end", False):
+        return state, None
+    if state["end_count"] > 0:
+        state["bonus_token_forced"] = False
+    end_ids = holder.think_end_token_ids
+    if state["bonus_token_forced"] or not state["force_index"] or state["end_count"] >= len(end_ids):
+        return state, None
+    return state, end_ids[state["end_count"]]
+
+
+def forced_tokens(holder, outputs: list[list[int]], token_ids: list[list[int]],
+                  parents: list[list[int]], num_nodes: list[int],
+                  device: torch.device) -> torch.Tensor | None:
+    """The token each verify row must emit under ``thinking_token_budget``, or None if none.
+
+    ``holder``: the input batch's ``ThinkingBudgetStateHolder`` (its ``_state`` has an entry per
+    batch index of a request with a budget); request r's rows are its root then its nodes
+    ``0 .. num_nodes[r] - 1`` (``token_ids`` / ``parents`` of its tree, host lists). Returns
+    ``[T]`` int64 on ``device``: the forced token of each flat row, -1 where none.
+
+    The law is plain decoding's: vLLM's own state machine is stepped once per token, as its
+    sampler steps it once per decode step, along each row's history (the output, then the
+    node's path). Per request, the state after its output is kept in vLLM's entry (moved and
+    dropped with it) and advanced by the tokens emitted since; each node's state is its
+    parent's advanced by the node's token. (vLLM's holder itself never runs on ddtree's
+    rows: in a speculative engine it would count chains of drafts.) After a preemption vLLM
+    starts the entry afresh and the state is rebuilt token by token from the prompt. An entry
+    is the row's request's only while it holds that request's output list (the one vLLM gave
+    it when the request was added): others are stale and dropped.
+    """
+    starts = [0]
+    for m in num_nodes:
+        starts.append(starts[-1] + m + 1)
+    forced = [-1] * starts[-1]
+    for r, entry in list(holder._state.items()):
+        if r >= len(num_nodes):
+            continue
+        output = outputs[r]
+        if entry["output_tok_ids"] is not output:
+            # a finished request's entry: vLLM 0.32's holder keeps it when condense() moves a
+            # request without a budget into the slot (a move whose source has no entry leaves
+            # the target's). Its output list is the finished request's, never the row's.
+            del holder._state[r]
+            continue
+        kept = entry.get(PLAIN_STATE)
+        if kept is None or kept[0] > len(output):
+            kept = (-1, holder._init_state_entry(entry["prompt_tok_ids"],
+                                                 entry["thinking_token_budget"]), None)
+        length, state, token = kept
+        while length < len(output):
+            length += 1
+            state, token = _plain_step(holder, state, output[:length])
+        entry[PLAIN_STATE] = (length, state, token)
+        row = starts[r]
+        if token is not None:
+            forced[row] = token
+        states, paths = [], []
+        for node in range(num_nodes[r]):
+            parent = parents[r][node]
+            path = (paths[parent] if parent >= 0 else []) + [token_ids[r][node]]
+            node_state, node_token = _plain_step(
+                holder, states[parent] if parent >= 0 else state, output + path)
+            states.append(node_state)
+            paths.append(path)
+            if node_token is not None:
+                forced[row + 1 + node] = node_token
+    if all(token < 0 for token in forced):
+        return None
+    return to_device(forced, torch.int64, device)
+
+
+def force(logits: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+    """vLLM's forcing: ``logits [c, V]`` gets FORCED_LOGIT at each row's ``forced [c]`` token
+    (rows with -1 untouched), in place, without a synchronisation."""
+    column = forced.clamp(min=0)[:, None]
+    kept = logits.gather(1, column)
+    logits.scatter_(1, column, torch.where(forced[:, None] >= 0, FORCED_LOGIT, kept))
+    return logits
+
+
+class ForcedRows:
+    """The thinking budgets of a step without drafts, in the interface vLLM's ``Sampler``
+    calls (``thinking_budget_state_holder``): the rows' forced tokens, already computed by
+    :func:`forced_tokens` (one row per request), applied where vLLM applies its own."""
+
+    def __init__(self, forced: torch.Tensor):
+        self.forced = forced
+
+    def has_tracked_requests(self) -> bool:
+        return True
+
+    def update_state(self, *args, **kwargs) -> None:
+        pass
+
+    def apply_to_logits(self, logits: torch.Tensor, predict_bonus_token: bool = False,
+                        spec_token_ids=None) -> torch.Tensor:
+        return force(logits, self.forced)

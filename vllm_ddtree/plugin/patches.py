@@ -13,9 +13,8 @@ every symbol the plugin relies on must be as ``versions.REQUIREMENTS`` describes
    request (not budget + 1): reserve depth + 1 lookahead K/V slots and (0.32) depth drafter
    slots of the token budget, so a step verifies as many requests as the budget holds (0.33
    charges the drafter pass nothing and caps the running requests by the lookahead itself).
-4. ``SamplingParams._validate_spec_decode``: reject per request what ddtree cannot serve yet
-   (``thinking_token_budget``); ``min_p`` and ``logit_bias``, which vLLM refuses under
-   speculative decoding, are served (``GPUModelRunner.__init__`` below).
+4. ``SamplingParams._validate_spec_decode``: ``min_p`` and ``logit_bias``, which vLLM refuses
+   under speculative decoding, are served under ddtree (``GPUModelRunner.__init__`` below).
 4b. ``Scheduler.__init__``: no placeholder drafts for newly scheduled one-token requests (vLLM
    pads them to num_speculative_tokens -1 drafts to keep one CUDA graph shape: B wasted rows
    that are not a proposal). ``Scheduler.schedule``: the step's clock stamp
@@ -34,7 +33,8 @@ every symbol the plugin relies on must be as ``versions.REQUIREMENTS`` describes
    metadata and none of its index arithmetic).
 7. ``GPUModelRunner._sample``: after the walk, compact the accepted path's K/V; a step without
    drafts samples with vLLM's own sampler, seeded requests with position-keyed noise as in
-   verify steps (``sampler.sample_seeded``). ``GPUModelRunner.sample_tokens``: the step's emitted
+   verify steps (``sampler.sample_seeded``), thinking budgets by the state plain decoding has
+   (``features.forced_tokens``). ``GPUModelRunner.sample_tokens``: the step's emitted
    token count (vLLM's host lists) goes to the "auto" policy's measured rates.
 8. ``GPUModelRunner._input_fits_in_drafter``: the drafter needs depth + 1 slots past the
    committed tokens, not budget + 1 past every verified node.
@@ -365,13 +365,6 @@ def _wrap_validate_spec_decode(original):
         if getattr(speculative_config, "ddtree_options", None) is None:
             return original(self, speculative_config)
         # ddtree serves min_p and logit_bias (vLLM's check refuses them for every method)
-        if getattr(self, "thinking_token_budget", None) is not None:
-            from vllm.exceptions import VLLMValidationError
-
-            raise VLLMValidationError(
-                "ddtree speculative decoding does not support thinking_token_budget yet; "
-                "remove it from the request (or serve without ddtree)",
-                parameter="thinking_token_budget", value=self.thinking_token_budget)
 
     return validate
 
@@ -579,7 +572,8 @@ def _wrap_sample(original):
             # as in verify steps (sampler.sample_seeded).
             from vllm_ddtree.plugin.sampler import sample_seeded, seeded_rows
 
-            sampling_metadata = self.input_batch.sampling_metadata
+            sampling_metadata = _without_spec_thinking_state(self.input_batch.sampling_metadata,
+                                                             logits)
             rows, requests = seeded_rows(sampling_metadata, [0] * logits.shape[0])
             seeded = logprobs = None
             if rows:  # before vLLM's sampler, which scales the logits in place
@@ -620,6 +614,23 @@ def _wrap_sample(original):
         return output
 
     return _sample
+
+
+def _without_spec_thinking_state(sampling_metadata, logits):
+    """A step without drafts, with thinking budgets: vLLM's sampler would step its
+    thinking-budget state as a speculative one (``in_spec_mode``: it places each request's row
+    by its drafts, and there are none); it gets the rows' forced tokens instead, computed as in
+    verify steps (``features.forced_tokens``: the state plain decoding has)."""
+    holder = sampling_metadata.thinking_budget_state_holder
+    if holder is None or not holder.has_tracked_requests():
+        return sampling_metadata
+    from vllm_ddtree.plugin.features import ForcedRows, forced_tokens
+
+    num_reqs = logits.shape[0]
+    forced = forced_tokens(holder, sampling_metadata.output_token_ids, [[]] * num_reqs,
+                           [[]] * num_reqs, [0] * num_reqs, logits.device)
+    return dataclasses.replace(sampling_metadata, thinking_budget_state_holder=(
+        None if forced is None else ForcedRows(forced)))
 
 
 def _wrap_sample_tokens(original):
