@@ -278,3 +278,79 @@ def build_tree_kernel(
     mask = tl.where(padding, pad_row, mask)
     tl.store(mask_ptr + (r * (B + 1) + rows) * num_words + word[None, :], mask,
              mask=(rows <= B) & (word[None, :] < num_words))
+
+
+# The top-k log-probabilities of the drafter's rows (the tree build's input), without a
+# vocabulary-sized temporary: keys that sort as (value desc, token id asc) are int64s, the
+# float's order-preserving int32 bits above ~token id.
+_LOW32 = tl.constexpr(0xFFFFFFFF)
+_FLIP = tl.constexpr(0x7FFFFFFF)
+
+
+@triton.jit(do_not_specialize=("vocab", "stride_row"),
+            do_not_specialize_on_alignment=("vocab", "stride_row", "logits_ptr"))
+def top_split_kernel(
+    logits_ptr,  # [N, V] any float dtype, unit stride along V
+    keys_ptr,  # [N, S, KP] int64 (output): each split's best KP keys, best first
+    stats_ptr,  # [N, S, 2] float32 (output): each split's max and sum of exp(x - max)
+    vocab,  # V
+    stride_row,
+    BLOCK_V: tl.constexpr,  # the split's width, a power of two >= KP
+    KP: tl.constexpr,  # next power of two >= k
+):
+    """One (row, split of BLOCK_V tokens): its max and exp-sum (for the row's log-sum-exp) and
+    its KP best tokens, sorted."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    NEG: tl.constexpr = float("-inf")
+    offs = split * BLOCK_V + tl.arange(0, BLOCK_V)
+    x = tl.load(logits_ptr + row * stride_row + offs, mask=offs < vocab, other=NEG)
+    x = x.to(tl.float32)
+    high = tl.reduce(x, 0, _MAX)
+    shift = tl.where(high == NEG, 0.0, high)  # an all -inf split: exp(-inf) = 0, not nan
+    total = tl.reduce(tl.exp(x - shift), 0, _SUM)
+    bits = x.to(tl.int32, bitcast=True)
+    key = (tl.where(bits >= 0, bits, bits ^ _FLIP).to(tl.int64) << 32) | (_LOW32 - offs.to(tl.int64))
+    key = tl.sort(key, descending=True)
+    cell = row * num_splits + split
+    j = tl.arange(0, BLOCK_V)
+    tl.store(keys_ptr + cell * KP + j, key, mask=j < KP)
+    tl.store(stats_ptr + cell * 2, high)
+    tl.store(stats_ptr + cell * 2 + 1, total)
+
+
+@triton.jit(do_not_specialize=("num_splits",),
+            do_not_specialize_on_alignment=("num_splits",))
+def top_merge_kernel(
+    keys_ptr,  # [N, S, KP] int64 (top_split_kernel's)
+    stats_ptr,  # [N, S, 2] float32
+    values_ptr,  # [N, K] float32 (output): log-probabilities, best first
+    ids_ptr,  # [N, K] int64 (output): their token ids (equal values: smaller id first)
+    num_splits,  # S
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # next power of two >= S * KP
+    BLOCK_S: tl.constexpr,  # next power of two >= S
+):
+    """One row: the best K of its splits' candidates, as log-probabilities
+    ``(x - max) - log(sum exp(x - max))`` (``torch.log_softmax``'s form)."""
+    row = tl.program_id(0).to(tl.int64)
+    NEG: tl.constexpr = float("-inf")
+    LEAST: tl.constexpr = -9223372036854775807 - 1
+    count = num_splits * KP
+    m = tl.arange(0, BLOCK_M)
+    key = tl.load(keys_ptr + row * count + m, mask=m < count, other=LEAST)
+    key = tl.sort(key, descending=True)
+    s = tl.arange(0, BLOCK_S)
+    stats = stats_ptr + (row * num_splits + s) * 2
+    highs = tl.load(stats, mask=s < num_splits, other=NEG)
+    totals = tl.load(stats + 1, mask=s < num_splits, other=0.0)
+    high = tl.reduce(highs, 0, _MAX)
+    shift = tl.where(high == NEG, 0.0, high)
+    log_total = tl.log(tl.reduce(totals * tl.exp(highs - shift), 0, _SUM))
+    top = (key >> 32).to(tl.int32)
+    x = tl.where(top >= 0, top, top ^ _FLIP).to(tl.float32, bitcast=True)
+    token = _LOW32 - (key & _LOW32)
+    tl.store(values_ptr + row * K + m, (x - high) - log_total, mask=m < K)
+    tl.store(ids_ptr + row * K + m, token, mask=m < K)
