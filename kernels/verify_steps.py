@@ -3,10 +3,7 @@
 The torch path of these stages (``vllm_ddtree/tree.py``, ``vllm_ddtree/walk.py``,
 ``TreeState.finish_verify``) runs 165-206, 20 and 18 GPU launches per step (H200,
 ``benchmarks/cuda_stages.py``); these kernels do the same work, one program per request, with
-the same outputs bit for bit (the tree build from the same top-k lists). The top-k lists of the
-drafter's logits (:func:`top_log_probs_triton`) take two launches where torch's log-softmax and
-top-k took 20-40 GPU kernels (its top-k is a multi-pass radix select, and a batch's rows went
-in memory-bounded chunks), equal to them within float rounding. :func:`triton_stages` says
+the same outputs bit for bit (the tree build after the torch log-softmax and top-k). :func:`triton_stages` says
 whether a device gets them (CUDA, unless ``VLLM_DDTREE_NATIVE=0`` selects the torch path, as
 on the CPU).
 """
@@ -18,8 +15,8 @@ import torch
 from ._launch import check_launchable, next_power_of_2
 from .native import enabled
 
-__all__ = ["triton_stages", "top_log_probs_triton", "build_tree_triton", "walk_triton",
-           "finish_verify_triton", "warm_up"]
+__all__ = ["triton_stages", "build_tree_triton", "walk_triton", "finish_verify_triton",
+           "warm_up"]
 
 
 def triton_stages(device: torch.device | str) -> bool:
@@ -101,51 +98,6 @@ def finish_verify_triton(accepted_rows: torch.Tensor, starts: torch.Tensor, num_
 MAX_TRITON_BUDGET = 256  # the kernel keeps a tree's nodes and mask rows in registers
 
 
-def _top_tiles(k: int, vocab: int) -> tuple[int, int]:
-    """(KP, BLOCK_V) of :func:`top_log_probs_triton`: k padded to a power of two, and splits of
-    4096 tokens (8192 past k = 64: fewer candidates to merge), never wider than the vocabulary
-    needs nor narrower than KP."""
-    kp = max(16, next_power_of_2(k))
-    block_v = 4096 if kp <= 64 else 8192
-    return kp, max(kp, min(block_v, next_power_of_2(vocab)))
-
-
-def top_log_probs_triton(draft_logits: torch.Tensor, k: int):
-    """:func:`vllm_ddtree.tree._top_log_probs` in two launches and without its vocabulary-sized
-    float32 temporary: ``draft_logits [R, L, V]`` (any float dtype) -> ``(values [R, L, k]``
-    float32 log-probabilities, ``ids [R, L, k]`` int64), best first, equal values by token id.
-
-    Each (row, split of the vocabulary) program keeps its best ``KP`` tokens (a sort of int64
-    keys that order as (value desc, id asc)) and its max and exp-sum; one program per row then
-    merges them and subtracts the row's log-sum-exp. The values equal ``torch.log_softmax``'s
-    within float rounding (the exp-sum is added in another order), not bit for bit.
-    """
-    check_launchable("draft_logits", draft_logits, "vllm_ddtree.tree._top_log_probs")
-    batch, depth, vocab = draft_logits.shape
-    if not 1 <= k <= min(vocab, MAX_TRITON_BUDGET):
-        raise ValueError(f"k={k} must be in [1, min(vocab={vocab}, {MAX_TRITON_BUDGET})]")
-    rows = draft_logits.reshape(batch * depth, vocab)
-    if rows.stride(1) != 1:
-        rows = rows.contiguous()
-    device = draft_logits.device
-    kp, block_v = _top_tiles(k, vocab)
-    splits = (vocab + block_v - 1) // block_v
-    num_rows = batch * depth
-    values = torch.empty(num_rows, k, dtype=torch.float32, device=device)
-    ids = torch.empty(num_rows, k, dtype=torch.int64, device=device)
-    if num_rows:
-        from .verify_steps_kernel import top_merge_kernel, top_split_kernel  # lazy: Triton
-
-        keys = torch.empty(num_rows, splits, kp, dtype=torch.int64, device=device)
-        stats = torch.empty(num_rows, splits, 2, dtype=torch.float32, device=device)
-        top_split_kernel[(num_rows, splits)](rows, keys, stats, vocab, rows.stride(0),
-                                             BLOCK_V=block_v, KP=kp, num_warps=8)
-        top_merge_kernel[(num_rows,)](keys, stats, values, ids, splits, K=k, KP=kp,
-                                      BLOCK_M=next_power_of_2(splits * kp),
-                                      BLOCK_S=max(16, next_power_of_2(splits)), num_warps=8)
-    return values.view(batch, depth, k), ids.view(batch, depth, k)
-
-
 def build_tree_triton(values: torch.Tensor, ids: torch.Tensor, budget: int | torch.Tensor,
                       max_budget: int):
     """DDTree's tree from the top-k lists of each depth in one launch (``max_budget`` <= 256).
@@ -183,17 +135,15 @@ def build_tree_triton(values: torch.Tensor, ids: torch.Tensor, budget: int | tor
     return tokens, parents, depths, scores, num_nodes, mask
 
 
-def warm_up(budget: int, depth: int, vocab: int, dtype: torch.dtype,
-            device: torch.device) -> None:
+def warm_up(budget: int, depth: int, vocab: int, device: torch.device) -> None:
     """Compile every stage kernel a verify step of this engine launches (engine start, not
-    mid-serving): the top-k lists of the drafter's logits (``dtype``), the tree build with one
-    budget and with per-request budgets, the walk with vLLM's output layout, finish_verify.
-    Their compile keys depend only on the engine's B, L, vocabulary and dtype (see the
-    kernels' NOTE), never on the batch."""
+    mid-serving): the tree build with one budget and with per-request budgets, the walk with
+    vLLM's output layout, finish_verify. Their compile keys depend only on the engine's B, L
+    and vocabulary (see the kernels' NOTE), never on the batch."""
     k = min(budget, vocab)
     if budget <= MAX_TRITON_BUDGET:
-        values, ids = top_log_probs_triton(torch.zeros(1, depth, vocab, dtype=dtype,
-                                                       device=device), k)
+        values = torch.zeros(1, depth, k, dtype=torch.float32, device=device)
+        ids = torch.arange(k, device=device).expand(1, depth, k).contiguous()
         build_tree_triton(values, ids, budget, budget)
         build_tree_triton(values, ids, torch.full((1,), budget, device=device), budget)
     widths, block = [min(budget, 256)], 256  # a tree of each walk tile up to B (_walk_block)

@@ -40,7 +40,6 @@ from vllm_ddtree.kernels.native import cpu_ops
 from vllm_ddtree.kernels.verify_steps import (
     MAX_TRITON_BUDGET,
     build_tree_triton,
-    top_log_probs_triton,
     triton_stages,
 )
 from vllm_ddtree.sampling import cached_arange, row_chunks
@@ -344,15 +343,14 @@ def build_tree(
     k = min(num_slots, vocab)
     ops = cpu_ops(device)
     if ops is not None:  # the fused CPU kernel: the same tree in 3 ops
-        return _build_tree_fused(draft_logits, budget, budget_fn, num_slots, k, _top_log_probs,
-                                 ops.build_tree,
+        return _build_tree_fused(draft_logits, budget, budget_fn, num_slots, k, ops.build_tree,
                                  lambda values, ids, fields, budgets: ops.first_nodes(
                                      *fields, budgets))
     if triton_stages(device) and num_slots <= MAX_TRITON_BUDGET:
-        # the Triton kernels on CUDA: two launches for the top-k lists, one for the heap (two
-        # with per-request budgets: the heap runs again, stopping at each request's budget)
+        # the Triton kernel on CUDA: one launch (two with per-request budgets: the heap runs
+        # again, stopping at each request's budget)
         return _build_tree_fused(draft_logits, budget, budget_fn, num_slots, k,
-                                 top_log_probs_triton, build_tree_triton,
+                                 build_tree_triton,
                                  lambda values, ids, fields, budgets: build_tree_triton(
                                      values, ids, budgets, num_slots))
 
@@ -439,15 +437,14 @@ def build_tree(
 
 
 def _build_tree_fused(draft_logits: torch.Tensor, budget, budget_fn: BudgetFn | None,
-                      max_budget: int, k: int, top, build, keep) -> DraftTree:
-    """:func:`build_tree` with fused ops: the top-k lists ``top(draft_logits, k)``
-    (:func:`_top_log_probs`, or the Triton kernels ``top_log_probs_triton``), then the ranking
-    and DDTree's best-first heap per request in one call, ``build(values, token_ids, budget,
-    max_budget)`` (the CPU op ``torch.ops.ddtree.build_tree``, kernels/csrc/ddtree_cpu.cpp, or
-    the Triton kernel ``build_tree_triton``). A budget function or tensor builds the full-width
-    tree first, then ``keep(values, token_ids, fields, budgets)`` keeps each request's first
-    ``budget[r]`` nodes (a best-first prefix is a subtree)."""
-    values, token_ids = top(draft_logits, k)
+                      max_budget: int, k: int, build, keep) -> DraftTree:
+    """:func:`build_tree` with a fused op: the ranking and DDTree's best-first heap per request
+    in one call, ``build(values, token_ids, budget, max_budget)`` (the CPU op
+    ``torch.ops.ddtree.build_tree``, kernels/csrc/ddtree_cpu.cpp, or the Triton kernel
+    ``build_tree_triton``). A budget function or tensor builds the full-width tree first, then
+    ``keep(values, token_ids, fields, budgets)`` keeps each request's first ``budget[r]`` nodes
+    (a best-first prefix is a subtree)."""
+    values, token_ids = _top_log_probs(draft_logits, k)
     width_budget = max_budget if budget_fn is not None or isinstance(budget, torch.Tensor) \
         else int(budget)
     fields = build(values, token_ids, width_budget, max_budget)

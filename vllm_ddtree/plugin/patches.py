@@ -466,10 +466,7 @@ def _wrap_initialize_kv_cache(original):
             if verify_steps.triton_stages(self.device):
                 state = self.ddtree_state
                 verify_steps.warm_up(state.budget, state.depth,
-                                     self.model_config.get_vocab_size(),
-                                     # the drafter's logits: its lm_head's dtype
-                                     getattr(self.model_config, "head_dtype", None)
-                                     or self.model_config.dtype, self.device)
+                                     self.model_config.get_vocab_size(), self.device)
 
     return initialize_kv_cache
 
