@@ -29,6 +29,10 @@ HOST_READS = {  # (file, function): why the tensor it reads is a host copy vLLM 
                                         "vLLM waits for that copy's event",
     ("plugin/patches.py", "_input_fits_in_drafter"): "vLLM's seq_lens_cpu_upper_bound",
 }
+# thinking budgets step vLLM's host state machine along the trees: a documented read, in steps
+# with such requests only
+THINKING_READS = {("plugin/features.py", "_forced_rows"): "the trees, for vLLM's host "
+                                                          "thinking-budget state machine"}
 UPLOADS = (("plugin/state.py", "to_device"),)
 
 
@@ -70,7 +74,8 @@ def test_busiest_step_verifies_as_many_requests_as_the_budget_holds(monkeypatch)
 def tree_engine():
     """Shared by the tests of one class, closed after them: two CPU engines at once would not
     find memory for their K/V caches."""
-    llm = make_llm(ddtree_spec(16), max_num_seqs=8, max_num_batched_tokens=512)
+    llm = make_llm(ddtree_spec(16), max_num_seqs=8, max_num_batched_tokens=512,
+                   reasoning_config={"reasoning_start_str": "self", "reasoning_end_str": "get_name"})
     yield llm
     close(llm)
 
@@ -113,6 +118,24 @@ class TestTreeEngine:
                              allowed_uploads=UPLOADS)
         _run_checked_steps(tree_engine, FEATURES + MIXED[:2], checker)
         assert checker.num_checked > 100, "the checker saw no plugin code"
+
+    def test_thinking_budget_steps_read_only_the_trees(self, tree_engine, monkeypatch):
+        """A thinking-budget request (its prompt ends inside a thinking section: forced rows
+        within a few steps) among the feature requests: the plugin's one extra host read is
+        the trees for the thinking state machine (without its allowance the checker reports
+        it); nothing else syncs."""
+        import vllm_ddtree.plugin.features as features
+
+        forced = []
+        real = features.forced_tokens
+        monkeypatch.setattr(features, "forced_tokens",
+                            lambda *args: forced.append(1) or real(*args))
+        checker = NoHostSync(scope=PER_STEP_FILES, allowed_reads={**HOST_READS, **THINKING_READS},
+                             allowed_uploads=UPLOADS)
+        thinking = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                  thinking_token_budget=4)
+        _run_checked_steps(tree_engine, [FEATURES[0], FEATURES[1], thinking], checker)
+        assert checker.num_checked > 100 and forced, "the thinking path did not run"
 
     def test_engine_steps_have_no_host_sync_in_plugin_code(self, tree_engine):
         checker = NoHostSync(scope=PER_STEP_FILES, allowed_reads=HOST_READS,

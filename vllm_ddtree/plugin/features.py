@@ -123,9 +123,7 @@ class TreeFeatures:
             features.forced = holder.forced
             active = True
         elif holder is not None and holder.has_tracked_requests():
-            num_nodes = torch.diff(cu_num_rows.long(), prepend=cu_num_rows.new_zeros(1)) - 1
-            features.forced = forced_tokens(holder, outputs, tree.token_ids.tolist(),
-                                            tree.parents.tolist(), num_nodes.tolist(), device)
+            features.forced = _forced_rows(holder, outputs, tree, cu_num_rows)
             active = active or features.forced is not None
         if not active:
             return None
@@ -334,6 +332,15 @@ def _plain_step(holder, state: dict, output: list[int]) -> tuple[dict, int | Non
     if state["bonus_token_forced"] or not state["force_index"] or state["end_count"] >= len(end_ids):
         return state, None
     return state, end_ids[state["end_count"]]
+
+
+def _forced_rows(holder, outputs: list[list[int]], tree: DraftTree,
+                 cu_num_rows: torch.Tensor) -> torch.Tensor | None:
+    """:func:`forced_tokens` of a verify step's trees, read on the host: the one host read of
+    the per-step code, in steps with a thinking budget only (a synchronisation on CUDA)."""
+    num_nodes = torch.diff(cu_num_rows.long(), prepend=cu_num_rows.new_zeros(1)) - 1
+    return forced_tokens(holder, outputs, tree.token_ids.tolist(), tree.parents.tolist(),
+                         num_nodes.tolist(), tree.token_ids.device)
 
 
 def forced_tokens(holder, outputs: list[list[int]], token_ids: list[list[int]],
