@@ -2,13 +2,15 @@
 """What structured outputs cost a ddtree step: a batch of ``json_schema`` requests against the
 same batch of unconstrained requests, at B = 16, 64, 256 and without speculation (issue 24).
 
-A structured-output request drafts a chain (its tree's most probable path, at most L tokens:
-vLLM's scheduler checks grammars along chains), so its grammar work per step is one bitmask
-row per draft position, whatever B. This measures, side by side in one run (each
+A structured-output request verifies the grammar-valid subtree of its tree (the plugin's
+``grammar.py``: the scheduler accepts and rolls back each node's token along the tree, prunes
+what the grammar rejects, and fills one bitmask row per kept node), so its grammar work per
+step grows with the nodes it keeps. This measures, side by side in one run (each
 configuration in its own process, the tiny pair, CPU, T = 0, xgrammar without free
-whitespace): tokens per second of each batch, the scheduler's grammar time per step
-(``StructuredOutputManager.grammar_bitmask``, timed by wrapping it) and the mean acceptance
-length of each batch.
+whitespace): tokens per second of each batch, the scheduler's grammar time per step (the
+check of the drafts, ``Scheduler.update_draft_token_ids``, plus the bitmask,
+``StructuredOutputManager.grammar_bitmask``, each timed by wrapping the plugin's patched
+method) and the mean acceptance length of each batch.
 
 Usage::
 
@@ -40,21 +42,27 @@ def run_one(budget: int, num_requests: int, max_tokens: int, repeats: int) -> di
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm import LLM, SamplingParams
+    from vllm.plugins import load_general_plugins
     from vllm.sampling_params import StructuredOutputsParams
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
-    grammar_time = [0.0, 0]
-    original = StructuredOutputManager.grammar_bitmask
+    load_general_plugins()  # the plugin's patches first: the timers wrap them
+    timers = {"check": [0.0, 0], "bitmask": [0.0, 0]}  # seconds, calls (one per step each)
 
-    def timed(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            grammar_time[0] += time.perf_counter() - start
-            grammar_time[1] += 1
+    def timed(original, timer):
+        def run(self, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                timer[0] += time.perf_counter() - start
+                timer[1] += 1
+        return run
 
-    StructuredOutputManager.grammar_bitmask = timed
+    StructuredOutputManager.grammar_bitmask = timed(StructuredOutputManager.grammar_bitmask,
+                                                    timers["bitmask"])
+    Scheduler.update_draft_token_ids = timed(Scheduler.update_draft_token_ids, timers["check"])
     spec = None
     if budget:
         spec = {"method": "ddtree", "model": os.path.join(PAIR, "drafter"),
@@ -86,14 +94,16 @@ def run_one(budget: int, num_requests: int, max_tokens: int, repeats: int) -> di
         best, grammar = None, None
         before = counters()
         for _ in range(repeats):
-            grammar_time[:] = [0.0, 0]
+            for timer in timers.values():
+                timer[:] = [0.0, 0]
             start = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - start
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             if best is None or tokens / elapsed > best[0]:
                 best = (tokens / elapsed, tokens, elapsed)
-                grammar = (grammar_time[0] / max(grammar_time[1], 1), grammar_time[1])
+                grammar = {name: round(1e3 * t / max(n, 1), 3) for name, (t, n) in timers.items()}
+                grammar["steps"] = timers["bitmask"][1]
         after = counters()
         drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get(
             "vllm:spec_decode_num_drafts", 0)
@@ -101,7 +111,8 @@ def run_one(budget: int, num_requests: int, max_tokens: int, repeats: int) -> di
             "vllm:spec_decode_num_accepted_tokens", 0)
         result[name] = {
             "tokens_per_s": round(best[0], 1), "tokens": best[1],
-            "grammar_ms_per_step": round(1e3 * grammar[0], 3), "steps": grammar[1],
+            "grammar_check_ms_per_step": grammar["check"],
+            "grammar_bitmask_ms_per_step": grammar["bitmask"], "bitmask_steps": grammar["steps"],
             "mean_acceptance_length": round(1 + accepted / drafts, 2) if drafts else None,
         }
         if name == "json_schema":

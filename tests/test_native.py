@@ -30,7 +30,7 @@ from tree_utils import (
 
 from vllm_ddtree.kernels.native import cpu_ops
 from vllm_ddtree.plugin.options import DDTreeOptions
-from vllm_ddtree.plugin.state import TreeState, VerifyBatch
+from vllm_ddtree.plugin.state import TreeState, VerifyBatch, best_path
 from vllm_ddtree.tree import DraftTree, _ancestor_mask, build_tree, reference_build_tree
 from vllm_ddtree.walk import walk
 
@@ -426,13 +426,20 @@ def request(num_prompt, num_out, max_tokens, structured=False):
                            sampling_params=params)
 
 
-def verify_step(state: TreeState, req_ids, tree, requests, extra_rows=()):
-    """record_proposal -> clip_drafts -> begin_verify (exact, with token rows) -> walk ->
-    finish_verify, as the runner drives them. Returns what each stage produced."""
+def verify_step(state: TreeState, req_ids, tree, requests, extra_rows=(), keep=None):
+    """record_proposal -> clip_drafts -> (``keep``: the scheduler's grammar cut, ``keep(trees)``
+    -> kept node indices per structured request) -> begin_verify (exact, with token rows) ->
+    walk -> finish_verify, as the runner drives them. Returns what each stage produced."""
     state.record_proposal(req_ids, tree)
     latest = state._latest_nodes.clone()
     drafts = [tree.token_ids[r].tolist() for r in range(len(req_ids))]
-    state.clip_drafts(req_ids, drafts, requests, max_model_len=1000)
+    trees = state.clip_drafts(req_ids, drafts, requests, max_model_len=1000)
+    if keep is not None:
+        kept = keep(trees)
+        state.keep_scheduled(kept)
+        for r, req_id in enumerate(req_ids):
+            if req_id in kept:
+                drafts[r] = [drafts[r][i] for i in kept[req_id]]
     num_draft = [len(ids) for ids in drafts]
     extra = list(extra_rows) + [0] * (len(req_ids) - len(extra_rows))
     sizes = [m + 1 + e for m, e in zip(num_draft, extra)]
@@ -521,10 +528,10 @@ def test_proposal_store_equals_the_torch_path(native, B, L):
 
 @pytest.mark.parametrize("L", [2, 3, 4, 5, 9])
 def test_reindexed_chain_of_full_depth(native, L):
-    """A structured-output request drafts its tree's best path as a chain (re-indexed even far
-    from its end); with a peaked draft the path has L nodes. The verify tree's ancestor rows
-    must hold the whole path on both paths. Oracle: the rows rebuilt from the parents over
-    all B levels.
+    """A structured-output request whose grammar (the scheduler's cut, ``keep_scheduled``)
+    keeps its tree's best path as a chain (re-indexed even far from its end); with a peaked
+    draft the path has L nodes. The verify tree's ancestor rows must hold the whole path on
+    both paths. Oracle: the rows rebuilt from the parents over all B levels.
 
     NOTE (found with this test): the torch path of ``TreeState._reindex_proposals`` rebuilds
     the rows with ``_ancestor_mask(parents, self.depth - 1)`` ("kept nodes are shallower than
@@ -541,7 +548,8 @@ def test_reindexed_chain_of_full_depth(native, L):
 
     def run():
         state = TreeState(DDTreeOptions(budget=B, depth=L), torch.device("cpu"))
-        return verify_step(state, ["a", "s"], build_tree(logits, B), requests)
+        return verify_step(state, ["a", "s"], build_tree(logits, B), requests,
+                           keep=lambda trees: {"s": best_path(trees["s"], L)})
 
     fused, ref = both_paths(native, run)
     assert fused.drafts[1] == [0] * L

@@ -81,39 +81,65 @@ def test_clip_drafts_keeps_the_usable_nodes_in_order():
             assert {j for j in range(BUDGET + 1) if mask[new + 1, j]} == ancestors
 
 
-def test_structured_output_requests_draft_their_most_probable_path():
-    """A request with structured outputs sends its tree's best path as a chain (vLLM checks
-    grammars along chains), cut near its end like any request; the verify step sees that
-    chain. Oracle: the path followed from the root by each node's most probable child, found
-    from the tree's scores."""
+def test_structured_output_requests_send_their_tree_and_verify_the_scheduler_cut():
+    """A request with structured outputs sends its tree's first L nodes (cut near its end like
+    any request) and their parents, for the scheduler's grammar check; the scheduler keeps a
+    subtree (not a prefix: a pruned node takes its descendants along) and the verify step sees
+    exactly those nodes, parents and ancestor rows re-indexed."""
     state, tree = proposed_state()
-    structured = SimpleNamespace(max_tokens=100, structured_outputs=object())
     requests = {"a": request(2, 5, max_tokens=100), "b": request(2, 5, max_tokens=100),
                 "c": request(2, 5, max_tokens=8)}
-    requests["b"].sampling_params = structured
+    requests["b"].sampling_params = SimpleNamespace(max_tokens=100, structured_outputs=object())
     requests["c"].sampling_params = SimpleNamespace(max_tokens=8, structured_outputs=object())
     drafts = [tree.token_ids[r].tolist() for r in range(3)]
-    state.clip_drafts(["a", "b", "c"], drafts, requests, max_model_len=1000)
+    trees = state.clip_drafts(["a", "b", "c"], drafts, requests, max_model_len=1000)
+    assert set(trees) == {"b", "c"}
     assert drafts[0] == tree.token_ids[0].tolist()
-    for row, max_depth in ((1, DEPTH), (2, 2)):  # c: 3 more tokens -> depth <= 2
-        path, current = [], -1
-        while len(path) < max_depth:
-            children = [i for i in range(BUDGET) if tree.parents[row, i] == current]
-            if not children:
-                break
-            current = max(children, key=lambda i: tree.scores[row, i].item())
-            path.append(current)
-        assert 2 <= len(path) <= max_depth < BUDGET
-        assert drafts[row] == [tree.token_ids[row, i].item() for i in path]
+    assert drafts[1] == tree.token_ids[1, :DEPTH].tolist()
+    assert trees["b"] == tree.parents[1, :DEPTH].tolist()
+    keep_c = [i for i in range(BUDGET) if 0 < tree.depths[2, i] <= 2][:DEPTH]  # 3 more tokens
+    assert drafts[2] == [tree.token_ids[2, i].item() for i in keep_c]
+    new_of = {old: new for new, old in enumerate(keep_c)}
+    assert trees["c"] == [-1 if tree.parents[2, i] < 0 else new_of[tree.parents[2, i].item()]
+                          for i in keep_c]
+    # the scheduler prunes b's first depth-1 node with its subtree (a grammar rejected it)
+    parents_b = trees["b"]
+    pruned = {0}
+    for node, parent in enumerate(parents_b):
+        if parent in pruned:
+            pruned.add(node)
+    kept_b = [n for n in range(len(parents_b)) if n not in pruned]
+    assert kept_b[0] != 0 and 0 < len(kept_b) < DEPTH
+    state.keep_scheduled({"b": kept_b, "c": list(range(len(keep_c)))})
+    drafts[1] = [drafts[1][n] for n in kept_b]
     verify = state.begin_verify(["a", "b", "c"], [len(d) for d in drafts],
                                 torch.tensor(sum(drafts, [])), [0, 20, 40], 60)
     assert verify.matched.tolist() == [True, True, True]
-    for row in (1, 2):
-        m = len(drafts[row])
-        assert verify.tree.parents[row, :m].tolist() == list(range(-1, m - 1))
-        assert verify.tree.depths[row, :m].tolist() == list(range(1, m + 1))
+    new_of = {old: new for new, old in enumerate(kept_b)}
+    m = len(kept_b)
+    assert verify.tree.token_ids[1, :m].tolist() == drafts[1]
+    assert verify.tree.parents[1, :m].tolist() == [
+        -1 if parents_b[n] < 0 else new_of[parents_b[n]] for n in kept_b]
+    assert verify.tree.depths[1, :m].tolist() == [tree.depths[1, n].item() for n in kept_b]
+    mask = unpack_mask(verify.tree.ancestor_mask[1:2], BUDGET + 1)[0]
+    for new, old in enumerate(kept_b):
+        old_mask = unpack_mask(tree.ancestor_mask[1:2], BUDGET + 1)[0, old + 1]
+        ancestors = {new_of[j - 1] + 1 for j in range(1, BUDGET + 1) if old_mask[j]} | {0}
+        assert {j for j in range(BUDGET + 1) if mask[new + 1, j]} == ancestors
     assert best_path([-1, -1, 0, 1, 2, 0], 3) == [0, 2, 4]
     assert best_path([-1, -1, 0, 1, 2, 0], 2) == [0, 2]
+    # a structured request the grammar keeps whole: its verify tree is its L nodes, the
+    # proposal's other nodes padding (the walk must never see them)
+    state, tree = proposed_state()
+    drafts = [tree.token_ids[r].tolist() for r in range(3)]
+    state.clip_drafts(["a", "b", "c"], drafts, {"b": requests["b"]}, max_model_len=1000)
+    state.keep_scheduled({"b": list(range(DEPTH))})
+    verify = state.begin_verify(["a", "b", "c"], [len(d) for d in drafts],
+                                torch.tensor(sum(drafts, [])), [0, 20, 40], 60,
+                                scheduled=drafts)
+    assert verify.exact and len(drafts[1]) == DEPTH
+    assert verify.tree.token_ids[1, :DEPTH].tolist() == tree.token_ids[1, :DEPTH].tolist()
+    assert (verify.tree.token_ids[1, DEPTH:] == -1).all() and (verify.tree.depths[1, DEPTH:] == 0).all()
 
 
 def test_verify_trees_carry_the_proposals_structure():

@@ -6,8 +6,8 @@ Oracle: the same engine settings without a speculative config, run once over the
 cases. Every case is one request of one ``llm.generate`` call, so requests with different
 features share verify steps (mixed batches). At T = 0: token ids identical, logprobs equal within
 1e-4. Each feature is shown to bite (its output differs from the same prompt without it), so a
-plugin that ignored it would fail. Structured-output requests draft a chain (their tree's
-best path), which vLLM checks against the grammar.
+plugin that ignored it would fail. Structured-output requests verify the grammar-valid subtree
+of their tree (the scheduler checks each node's path: ``vllm_ddtree/plugin/grammar.py``).
 
 Two pairs:
 
@@ -77,7 +77,7 @@ def so(**kw) -> SamplingParams:
 
 
 # interleaved so that every wave of max_num_seqs requests mixes drafting requests with
-# logprobs, penalties, masks and structured outputs (which draft nothing)
+# logprobs, penalties, masks and structured outputs
 CASES = [
     Case("greedy_A", A, greedy()),
     Case("logprobs5_A", A, greedy(logprobs=5)),
@@ -140,6 +140,17 @@ def plain():
 
 @pytest.fixture(scope="module")
 def ddtree():
+    from vllm_ddtree.plugin import grammar
+
+    # the scheduler's grammar check of each structured request's tree (in-process engine)
+    checks, real = [], grammar.grammar_subtree
+
+    def spy(manager, request, tokens, parents):
+        kept = real(manager, request, tokens, parents)
+        checks.append((list(parents), kept))
+        return kept
+
+    grammar.grammar_subtree = spy
     llm = make_llm(ddtree_spec(BUDGET), **ENGINE)
     try:
         got = _generate(llm, CASES)
@@ -151,8 +162,10 @@ def ddtree():
                                                      ignore_eos=True, logprobs=0)
                                       for i in range(len(PROMPTS))], use_tqdm=False)
         return {"cases": got, "seeded": [mixed[-1].outputs[0], alone[0].outputs[0]],
-                "seeded_sole": [o.outputs[0] for o in sole], "metrics": spec_metrics(llm)}
+                "seeded_sole": [o.outputs[0] for o in sole], "metrics": spec_metrics(llm),
+                "grammar_checks": checks}
     finally:
+        grammar.grammar_subtree = real
         close(llm)
 
 
@@ -233,6 +246,20 @@ def test_structured_outputs_valid(request, engine):
     assert outs["json_object_C"].text.startswith("{")
 
 
+def test_structured_requests_verify_branching_trees_pruned_by_their_grammar(ddtree):
+    """The scheduler checked the structured requests' trees node by node: trees that branch
+    (a node whose parent is not the node before it), nodes the grammar rejected pruned with
+    their subtrees (a kept set that is not a prefix), and every kept set a subtree."""
+    checks = ddtree["grammar_checks"]
+    assert checks, "no structured request sent a tree"
+    for parents, kept in checks:
+        assert all(parents[n] < 0 or parents[n] in kept for n in kept)
+        assert len(parents) <= 7  # L: at most the tree's first L nodes are sent
+    assert any(any(p not in (-1, n - 1) for n, p in enumerate(parents))
+               for parents, _ in checks), "no tree branched"
+    assert any(kept != list(range(len(kept))) for _, kept in checks), "nothing was pruned"
+
+
 def test_seeded_sampling_with_features_is_reproducible(ddtree):
     mixed, alone = ddtree["seeded"]
     for out in (mixed, alone):
@@ -292,10 +319,16 @@ ORACLE_CASES = [
     # the first 'self' opens a thinking section: 6 tokens, then 'get_name' is forced (3
     # tokens), then the next 'self' opens the next: forced rows at depths set by each path
     Case("thinking", PROMPTS[0], oracle_greedy(thinking_token_budget=6), base="greedy"),
-    # structured outputs draft their tree's best path as a chain: 'self' repeated is valid
+    # structured outputs verify the grammar-valid subtree of their tree: here only 'self'
+    # (the siblings the drafter ranks next are pruned: a chain) ...
     Case("regex_self", PROMPTS[1], SamplingParams(
         temperature=0.0, max_tokens=ORACLE_MAX_TOKENS,
         structured_outputs=StructuredOutputsParams(regex=r"(self)+"))),
+    # ... here every token the target ranks (whole trees), and 'name' only once (pruned below
+    # the nodes after it)
+    Case("regex_tree", PROMPTS[2], SamplingParams(
+        temperature=0.0, max_tokens=ORACLE_MAX_TOKENS,
+        structured_outputs=StructuredOutputsParams(regex=r"(self|\.|path|get)+(name)?(self)*"))),
 ]
 ORACLE_NAMES = [c.name for c in ORACLE_CASES]
 ORACLE_BY_NAME = {c.name: c for c in ORACLE_CASES}
@@ -345,7 +378,7 @@ def oracle_ddtree(oracle_target):
         again = _generate(llm, features)
         after = spec_metrics(llm)
         alone, marks = {}, [after]
-        for name in ("regex_self", "allowed_ids"):  # their own drafts, alone in the engine
+        for name in ("regex_self", "allowed_ids", "regex_tree"):  # their drafts, alone
             alone[name] = _generate(llm, [ORACLE_BY_NAME[name]])[name]
             marks.append(spec_metrics(llm))
     finally:
@@ -355,10 +388,12 @@ def oracle_ddtree(oracle_target):
         return {k: ([a - b for a, b in zip(new[k], old[k])] if isinstance(new[k], list)
                     else new[k] - old[k]) for k in new}
 
-    return {"cases": got, "again": {**again, "regex_self": alone["regex_self"]},
+    return {"cases": got, "again": {**again, "regex_self": alone["regex_self"],
+                                    "regex_tree": alone["regex_tree"]},
             "metrics": before, "features_metrics": delta(after, before),
             "structured_metrics": delta(marks[1], marks[0]),
-            "allowed_metrics": delta(marks[2], marks[1])}
+            "allowed_metrics": delta(marks[2], marks[1]),
+            "structured_tree_metrics": delta(marks[3], marks[2])}
 
 
 def test_oracle_premises(oracle_plain):
@@ -391,7 +426,7 @@ def test_oracle_feature_requests_alone_give_the_same_outputs(oracle_ddtree):
 
 
 @pytest.mark.parametrize("which", ["metrics", "features_metrics", "structured_metrics",
-                                   "allowed_metrics"])
+                                   "allowed_metrics", "structured_tree_metrics"])
 def test_oracle_trees_were_deep(oracle_ddtree, which):
     """All cases, then the feature requests alone, then the structured-output request alone
     (its chain of drafts), then the allowed-ids request alone (the drafter drafts allowed

@@ -20,6 +20,9 @@ every symbol the plugin relies on must be as ``versions.REQUIREMENTS`` describes
    that are not a proposal). ``Scheduler.schedule``: the step's clock stamp
    (``SchedulerOutput.ddtree_clock``), the only time the "auto" policy reads, so that every
    tensor-parallel rank decides alike (``ranks.py``).
+4c. ``Scheduler.update_draft_token_ids``, ``StructuredOutputManager.grammar_bitmask`` and the
+   schedule's ``SchedulerOutput.ddtree_kept``: structured outputs with trees, the grammar
+   checked and its bitmask rows filled along each tree (``grammar.py``).
 5. ``GPUModelRunner.__init__``: install the tree proposer, the tree sampler and the state, and
    give the input batch vLLM's built-in logits processors (min_tokens, logit_bias, min_p: vLLM
    builds only min_tokens under speculative decoding), which the tree sampler applies to every
@@ -58,6 +61,7 @@ import dataclasses
 import functools
 import time
 
+from vllm_ddtree.plugin import grammar
 from vllm_ddtree.plugin.options import (
     ADDITIONAL_CONFIG_KEY,
     DDTreeConfigError,
@@ -68,6 +72,7 @@ from vllm_ddtree.plugin.options import (
 )
 
 _installed = False
+_GRAMMAR_STRIDE = False  # vLLM >= 0.33 lays the bitmask out in fixed blocks per request
 
 
 def install() -> None:
@@ -92,6 +97,7 @@ def install() -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
     from vllm.v1.worker.cpu_worker import CPUWorker
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
@@ -109,6 +115,12 @@ def install() -> None:
         SamplingParams._validate_spec_decode)
     Scheduler.__init__ = _wrap_scheduler_init(Scheduler.__init__)
     Scheduler.schedule = _wrap_schedule(Scheduler.schedule)
+    Scheduler.update_draft_token_ids = _wrap_update_draft_token_ids(
+        Scheduler.update_draft_token_ids)
+    global _GRAMMAR_STRIDE
+    _GRAMMAR_STRIDE = versions.grammar_rows_in_fixed_blocks(version)
+    StructuredOutputManager.grammar_bitmask = _wrap_grammar_bitmask(
+        StructuredOutputManager.grammar_bitmask)
     GPUModelRunner.__init__ = _wrap_runner_init(GPUModelRunner.__init__)
     GPUModelRunner.initialize_kv_cache = _wrap_initialize_kv_cache(
         GPUModelRunner.initialize_kv_cache)
@@ -403,9 +415,73 @@ def _wrap_schedule(original):
             # The one clock the "auto" policy reads: every rank gets this stamp with the step
             # (ranks.py), so every rank times the steps alike and decides alike.
             output.ddtree_clock = time.perf_counter()
+            # structured outputs: which of the sent nodes each scheduled tree kept (grammar.py)
+            kept = {}
+            for req_id, tokens in output.scheduled_spec_decode_tokens.items():
+                tree = getattr(self.requests.get(req_id), grammar.TREE_ATTR, None)
+                if tree is not None:
+                    kept[req_id] = tree[0][: len(tokens)]
+            output.ddtree_kept = kept
         return output
 
     return schedule
+
+
+def _wrap_update_draft_token_ids(original):
+    @functools.wraps(original)
+    def update_draft_token_ids(self, draft_token_ids):
+        trees = getattr(draft_token_ids, "ddtree_parents", None)
+        if trees is None:  # not a ddtree engine
+            return original(self, draft_token_ids)
+        plain_ids, plain_drafts = [], []
+        for req_id, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+            request = self.requests.get(req_id)
+            parents = trees.get(req_id)
+            if (parents is None or request is None or request.is_finished()
+                    or request.is_prefill_chunk or not request.use_structured_output):
+                if request is not None:
+                    setattr(request, grammar.TREE_ATTR, None)
+                plain_ids.append(req_id)
+                plain_drafts.append(drafts)
+                continue
+            kept = grammar.grammar_subtree(self.structured_output_manager, request, drafts,
+                                           parents)
+            request.spec_token_ids = [drafts[i] for i in kept]
+            setattr(request, grammar.TREE_ATTR, (kept, grammar.renumbered_parents(parents, kept)))
+        return original(self, type(draft_token_ids)(plain_ids, plain_drafts))
+
+    return update_draft_token_ids
+
+
+def _wrap_grammar_bitmask(original):
+    @functools.wraps(original)
+    def grammar_bitmask(self, requests, structured_output_request_ids,
+                        scheduled_spec_decode_tokens):
+        trees = {req_id for req_id in structured_output_request_ids
+                 if getattr(requests[req_id], grammar.TREE_ATTR, None) is not None
+                 and scheduled_spec_decode_tokens.get(req_id)}
+        if not trees:
+            return original(self, requests, structured_output_request_ids,
+                            scheduled_spec_decode_tokens)
+        # vLLM fills each tree request's rows as for placeholder drafts (its root row with
+        # the grammar's state, the node rows unconstrained), then the node rows follow the tree
+        masked = {req_id: ([-1] * len(tokens) if req_id in trees else tokens)
+                  for req_id, tokens in scheduled_spec_decode_tokens.items()}
+        bitmask = original(self, requests, structured_output_request_ids, masked)
+        base = 0
+        for index, req_id in enumerate(structured_output_request_ids):
+            tokens = scheduled_spec_decode_tokens.get(req_id, [])
+            if _GRAMMAR_STRIDE:  # 0.33: a fixed block of num_speculative_tokens + 1 rows
+                base = index * (self.vllm_config.num_speculative_tokens + 1)
+            if req_id in trees:
+                request = requests[req_id]
+                parents = getattr(request, grammar.TREE_ATTR)[1][: len(tokens)]
+                grammar.fill_tree_rows(self, request, list(tokens), parents, base)
+            if not _GRAMMAR_STRIDE:  # 0.32: each request's drafts, then its bonus row
+                base += len(tokens) + 1
+        return bitmask
+
+    return grammar_bitmask
 
 
 # 5-7. the model runner ----------------------------------------------------------------------
@@ -532,6 +608,9 @@ def _wrap_prepare_inputs(original):
             starts.append(starts[-1] + int(n))
         req_ids = self.input_batch.req_ids[:num_reqs]
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        kept = getattr(scheduler_output, "ddtree_kept", None)
+        if kept:  # structured outputs: the grammar-valid nodes the scheduler kept (grammar.py)
+            state.keep_scheduled(kept)
         verify = state.begin_verify(
             req_ids=list(req_ids),
             num_draft=num_draft,
@@ -684,8 +763,11 @@ def _wrap_take_draft_token_ids(original):
             return None
         drafts = original(self)
         if drafts is not None:
-            state.clip_drafts(drafts.req_ids, drafts.draft_token_ids, self.requests,
-                              self.max_model_len)
+            trees = state.clip_drafts(drafts.req_ids, drafts.draft_token_ids, self.requests,
+                                      self.max_model_len)
+            # structured outputs: the scheduler checks their grammar along the trees
+            # (grammar.py); always set, so that the scheduler knows a ddtree worker sent them
+            drafts.ddtree_parents = trees
         return drafts
 
     return take_draft_token_ids

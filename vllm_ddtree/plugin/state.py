@@ -261,7 +261,6 @@ class TreeState:
         self._unmatched = torch.zeros((), dtype=torch.int64, device=device)
         self._unmatched_reported = 0
         self.check_ranks = False  # compare each step's plan across TP ranks (ranks.py)
-        self._logged_chain_only = False  # the log line of _chain_only, once
         self.last_num_draft: list[int] = []  # m_r of the latest verify step, host
         # What the drafter does at the end of the step in flight (plan_step): "draft",
         # "context" (its context pass only) or "cold" (nothing).
@@ -418,10 +417,12 @@ class TreeState:
             self.report_unmatched()
 
     def clip_drafts(self, req_ids: list[str], drafts: list[list[int]], requests: dict,
-                    max_model_len: int) -> None:
+                    max_model_len: int) -> dict[str, list[int]]:
         """Keep (in place) only the drafts each request can use: its real nodes (its budget;
         nodes of probability zero are padding too), and near its end only those it can still
-        accept. Reports the result to the budget policy.
+        accept. Reports the result to the budget policy. Returns the parents of the drafts
+        sent for each structured-output request (the scheduler checks their grammar along
+        the tree: ``patches._wrap_update_draft_token_ids``).
 
         After this step request r holds ``n`` tokens, ``out`` of them outputs; its next verify
         step emits ``accepted + 1`` tokens, and only ``max_tokens - out`` more are allowed
@@ -441,6 +442,7 @@ class TreeState:
         rows, self._latest_rows = self._latest_rows, {}
         self.proposals.drop([req_id for req_id in req_ids if req_id not in rows])
         kept: dict[str, list[int]] = {}
+        trees: dict[str, list[int]] = {}  # structured-output requests: the drafts' parents
         budgeted = []  # real nodes per request, before the cut near the end
         for req_id, ids in zip(req_ids, drafts):
             row = rows.get(req_id)
@@ -454,13 +456,27 @@ class TreeState:
             request = requests.get(req_id)
             useful = self._usable_depth(request, max_model_len)
             keep = None
-            if self._chain_only(request):
-                keep = best_path(nodes[row, 0, :real].tolist(), useful)
-            elif useful < self.depth:
+            if useful < self.depth:
                 keep = [i for i, d in enumerate(node_depths) if 0 < d <= useful]
-            if keep is not None:
                 ids[:] = [ids[i] for i in keep]
                 kept[req_id] = keep
+            structured = getattr(getattr(request, "sampling_params", None),
+                                 "structured_outputs", None) is not None
+            if structured:
+                # at most L nodes, the tree's first (a subtree): the scheduler's grammar work
+                # is host work per node (benchmarks/structured_cost.py: whole trees cost more
+                # than they accept), so a structured request gets the best tree of L nodes,
+                # the grammar cost of a chain of L drafts, and by DDTree's optimality at
+                # least the chain's expected acceptance
+                if len(ids) > self.depth:  # the proposal keeps them alone (then padding)
+                    keep = (keep or list(range(len(ids))))[: self.depth]
+                    kept[req_id] = keep
+                    del ids[self.depth:]
+                parents = nodes[row, 0, :real].tolist()
+                if keep is not None:  # renumbered (a kept node's ancestors are kept)
+                    new = {old: i for i, old in enumerate(keep)}
+                    parents = [new[parents[old]] if parents[old] >= 0 else -1 for old in keep]
+                trees[req_id] = parents[: len(ids)]
             self.proposals.sent[req_id] = list(ids)  # a copy: the scheduler owns the list
         if self.budgets.drafts_sent(budgeted, [len(ids) for ids in drafts]):
             self.report_unmatched()
@@ -469,21 +485,22 @@ class TreeState:
             # inference tensors (written during the step), so update them inside it
             with torch.inference_mode():
                 self._reindex_proposals(kept)
+        return trees
 
-    def _chain_only(self, request) -> bool:
-        """Whether ``request`` drafts a chain, its tree's most probable path (:func:`best_path`),
-        instead of the tree: structured outputs, whose grammar vLLM's scheduler checks along
-        the drafts as a chain (``validate_tokens`` keeps the grammar-valid prefix) and whose
-        bitmask rows follow it (one grammar state per draft position). The log says so once."""
-        params = getattr(request, "sampling_params", None)  # None for pooling requests
-        if getattr(params, "structured_outputs", None) is None:
-            return False
-        if not self._logged_chain_only:
-            self._logged_chain_only = True
-            logger.info("ddtree: requests with structured outputs draft their tree's most "
-                        "probable path as a chain (vLLM's grammar checks follow chains); "
-                        "branching trees for them are not implemented yet")
-        return True
+    def keep_scheduled(self, kept: dict[str, list[int]]) -> None:
+        """The scheduler kept, of each structured-output request's sent drafts, the nodes
+        ``kept[r]`` (in order: a subtree, the grammar-valid nodes of the tree): the proposal
+        keeps them as its first nodes and they become the drafts it was sent, so that the
+        verify step matches the scheduled drafts against them."""
+        cut = {}
+        for req_id, nodes in kept.items():
+            sent = self.proposals.sent.get(req_id)
+            if sent is None or nodes == list(range(len(nodes))):
+                continue  # a prefix (or nothing to match): matched as it is
+            self.proposals.sent[req_id] = [sent[i] for i in nodes]
+            cut[req_id] = nodes
+        if cut:
+            self._reindex_proposals(cut)
 
     def _usable_depth(self, request, max_model_len: int) -> int:
         """The deepest node a request can still accept in its next verify step (see

@@ -21,6 +21,9 @@ Where the versions differ (each entry names its version):
   ``_compile_or_warm_up_model``; the plugin wraps the outer method, which both versions call.
 * ``apply_top_k_top_p`` gained ``has_topp_only_rows=True`` in 0.33 (the plugin passes the
   first three arguments; the default is the general case).
+* ``StructuredOutputManager.grammar_bitmask``: 0.32 lays each request's rows (its drafts, then
+  the bonus row) one after the other; 0.33 gives each a fixed block of
+  ``num_speculative_tokens + 1`` rows. The tree rows of ``grammar.py`` follow either.
 """
 
 from __future__ import annotations
@@ -90,6 +93,44 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     Requirement("vllm.v1.core.sched.scheduler", "Scheduler.schedule",
                 reads=(("self.dynamic_sd_lookup", 3),),
                 why="a lookup of B at every batch size turns placeholder drafts off"),
+    # patches.py and grammar.py: structured outputs with trees
+    Requirement("vllm.v1.core.sched.scheduler", "Scheduler.update_draft_token_ids",
+                ("draft_token_ids",),
+                contains=("request.spec_token_ids = self.structured_output_manager."
+                          "validate_tokens( request, spec_token_ids )",)),
+    Requirement("vllm.v1.outputs", "DraftTokenIds",
+                contains=("req_ids: list[str]", "draft_token_ids: list[list[int]]")),
+    Requirement("vllm.v1.structured_output", "StructuredOutputManager.validate_tokens",
+                ("request", "spec_tokens")),
+    Requirement("vllm.v1.structured_output", "StructuredOutputManager._get_constraint_bounds",
+                ("request", "spec_tokens")),
+    Requirement("vllm.v1.structured_output", "StructuredOutputManager.grammar_bitmask",
+                ("requests", "structured_output_request_ids", "scheduled_spec_decode_tokens"),
+                contains=("apply_bitmask = not seen_padding and i >= constraint_start",
+                          "if token == -1: seen_padding = True", "cumulative_index += 1",
+                          "return bitmask_tensor.numpy()"),
+                versions=((0, 32),),
+                why="placeholder drafts give a request its root row and unconstrained rows, "
+                    "one per draft then the bonus row, in request order"),
+    Requirement("vllm.v1.structured_output", "StructuredOutputManager.grammar_bitmask",
+                ("requests", "structured_output_request_ids", "scheduled_spec_decode_tokens"),
+                contains=("apply_bitmask = not seen_padding and i >= constraint_start",
+                          "if token == -1: seen_padding = True",
+                          "mask_stride = max_num_spec_tokens + (0 if is_diffusion else 1)",
+                          "cumulative_index = grammar_idx * mask_stride",
+                          "return bitmask_tensor.numpy()"),
+                versions=((0, 33),),
+                why="as 0.32, each request in a fixed block of num_speculative_tokens + 1 rows"),
+    Requirement("vllm.v1.structured_output.backend_types", "StructuredOutputGrammar.accept_tokens",
+                ("request_id", "tokens")),
+    Requirement("vllm.v1.structured_output.backend_types",
+                "StructuredOutputGrammar.validate_tokens", ("tokens",)),
+    Requirement("vllm.v1.structured_output.backend_types", "StructuredOutputGrammar.rollback",
+                ("num_tokens",)),
+    Requirement("vllm.v1.structured_output.backend_types", "StructuredOutputGrammar.fill_bitmask",
+                ("bitmask", "batch_index")),
+    Requirement("vllm.v1.structured_output.backend_types",
+                "StructuredOutputGrammar.is_terminated"),
     # patches.py: the model runner and the workers
     Requirement(_RUNNER, "GPUModelRunner.__init__", ("vllm_config", "device"),
                 contains=("logitsprocs=build_logitsprocs(",),
@@ -195,6 +236,12 @@ REQUIREMENTS: tuple[Requirement, ...] = (
 
 def requirements_for(version: tuple[int, int]) -> list[Requirement]:
     return [r for r in REQUIREMENTS if tuple(version) in r.versions]
+
+
+def grammar_rows_in_fixed_blocks(version: tuple[int, int]) -> bool:
+    """Whether vLLM's structured-output bitmask gives each request a fixed block of
+    ``num_speculative_tokens + 1`` rows (0.33) rather than its drafts + 1 rows in turn (0.32)."""
+    return tuple(version) >= (0, 33)
 
 
 def patches_draft_slots(version: tuple[int, int]) -> bool:

@@ -1,0 +1,114 @@
+"""Structured outputs with trees: vLLM's grammar checks, per tree node, in the scheduler.
+
+vLLM's scheduler checks a request's drafts against its grammar as a chain
+(``StructuredOutputManager.validate_tokens`` keeps the grammar-valid prefix) and builds one
+bitmask row per draft position along that chain (``grammar_bitmask``). A tree's node n extends
+its parent's path, not the node before it, so here both follow the tree, with vLLM's own
+grammar objects (``accept_tokens`` / ``rollback`` / ``fill_bitmask``: any backend):
+
+1. the worker sends each structured-output request's drafts with their parents
+   (``DraftTokenIds.ddtree_parents``, from ``TreeState.clip_drafts``);
+2. :func:`grammar_subtree` (``Scheduler.update_draft_token_ids``) walks the tree depth first,
+   accepting each node's token after its parent's path and rolling back: the nodes the grammar
+   rejects, and their subtrees, are pruned (the kept nodes, in order, are a subtree: a best-first
+   prefix of them is one too). The request's drafts become the kept tokens;
+3. the schedule tells the workers which of the sent nodes each scheduled request kept
+   (``SchedulerOutput.ddtree_kept``); the worker re-indexes its proposal to them
+   (``TreeState.keep_scheduled``), so the verified tree is exactly the scheduled one;
+4. :func:`fill_tree_rows` (``grammar_bitmask``) fills node n's row with the grammar state
+   after n's path (the row that predicts the token after n), the root's with the current
+   state, as vLLM fills a chain's rows; the runner applies the rows to the verify rows, which
+   are in the same order;
+5. after the walk vLLM advances the grammar by the emitted tokens, as for chains.
+
+A request whose grammar does not constrain its first token yet (reasoning still running:
+vLLM's constraint bounds) drafts its tree's most probable path and vLLM checks it as a chain.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm_ddtree.plugin.state import best_path
+
+logger = logging.getLogger("vllm.ddtree")
+
+TREE_ATTR = "ddtree_tree"  # on the scheduler's Request: (kept sent-node indices, their parents)
+
+
+def _children(parents: list[int]) -> tuple[list[int], list[list[int]]]:
+    roots, children = [], [[] for _ in parents]
+    for node, parent in enumerate(parents):
+        (roots if parent < 0 else children[parent]).append(node)
+    return roots, children
+
+
+def constrained_from_start(manager, request) -> bool:
+    """Whether the grammar constrains the request's next token (no reasoning left before it)."""
+    return manager._get_constraint_bounds(request, ()).constraint_start == 0
+
+
+def grammar_subtree(manager, request, tokens: list[int], parents: list[int]) -> list[int]:
+    """The nodes of the tree ``(tokens, parents)`` that the request's grammar accepts after
+    their path (each node's ancestors accepted too), in order. The grammar is left as it was."""
+    if not constrained_from_start(manager, request):
+        path = best_path(parents, len(tokens))
+        valid = manager.validate_tokens(request, [tokens[i] for i in path])
+        return path[: len(valid)]
+    grammar = request.structured_output_request.grammar
+    roots, children = _children(parents)
+    valid = [False] * len(tokens)
+    stack = [(node, False) for node in reversed(roots)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            grammar.rollback(1)
+            continue
+        # validate first: a backend may log every rejected accept as an error (xgrammar does)
+        if grammar.is_terminated() or not grammar.validate_tokens([tokens[node]]):
+            continue  # pruned with its subtree
+        grammar.accept_tokens(request.request_id, [tokens[node]])
+        valid[node] = True
+        stack.append((node, True))
+        stack.extend((child, False) for child in reversed(children[node]))
+    return [node for node, ok in enumerate(valid) if ok]
+
+
+def renumbered_parents(parents: list[int], kept: list[int]) -> list[int]:
+    """The parents of the kept nodes, as indices into ``kept``."""
+    new = {old: i for i, old in enumerate(kept)}
+    return [new[parents[old]] if parents[old] >= 0 else -1 for old in kept]
+
+
+def fill_tree_rows(manager, request, tokens: list[int], parents: list[int], base: int) -> None:
+    """Rows ``base + 1 + n`` of the manager's bitmask: the grammar state after node n's path
+    (``tokens`` / ``parents``: the scheduled nodes). Row ``base`` (the root) is vLLM's. A node
+    the grammar rejects (it was checked when it was drafted: unexpected) gets its parent's row
+    for its whole subtree, as vLLM's chain fill does after a rejection."""
+    bitmask = manager._grammar_bitmask
+    grammar = request.structured_output_request.grammar
+    roots, children = _children(parents)
+    stack = [(node, False) for node in reversed(roots)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            grammar.rollback(1)
+            continue
+        row = base + 1 + node
+        if grammar.is_terminated() or not grammar.accept_tokens(request.request_id,
+                                                                [tokens[node]]):
+            logger.error("ddtree: the grammar rejected draft token %s of request %s while "
+                         "filling its bitmask", tokens[node], request.request_id)
+            parent_row = base + 1 + parents[node] if parents[node] >= 0 else base
+            todo = [node]
+            while todo:
+                n = todo.pop()
+                bitmask[base + 1 + n].copy_(bitmask[parent_row])
+                todo.extend(children[n])
+            continue
+        if grammar.is_terminated():
+            bitmask[row].fill_(manager._full_mask)
+        else:
+            grammar.fill_bitmask(bitmask, row)
+        stack.append((node, True))
+        stack.extend((child, False) for child in reversed(children[node]))
