@@ -6,7 +6,8 @@ bitmask row per draft position along that chain (``grammar_bitmask``). A tree's 
 its parent's path, not the node before it, so here both follow the tree, with vLLM's own
 grammar objects (``accept_tokens`` / ``rollback`` / ``fill_bitmask``: any backend):
 
-1. the worker sends each structured-output request's drafts with their parents
+1. the worker sends each structured-output request's first L nodes (the grammar work is host
+   work per node: L nodes cost what a chain of L drafts costs) with their parents
    (``DraftTokenIds.ddtree_parents``, from ``TreeState.clip_drafts``);
 2. :func:`grammar_subtree` (``Scheduler.update_draft_token_ids``) walks the tree depth first,
    accepting each node's token after its parent's path and rolling back: the nodes the grammar
@@ -48,6 +49,20 @@ def constrained_from_start(manager, request) -> bool:
     return manager._get_constraint_bounds(request, ()).constraint_start == 0
 
 
+def _depth_first(parents: list[int], enter, leave) -> None:
+    """Visit the tree depth first: ``enter(node)`` says whether to go below ``node`` (then
+    ``leave(node)`` follows its subtree); children in index order."""
+    roots, children = _children(parents)
+    stack = [(node, False) for node in reversed(roots)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            leave(node)
+        elif enter(node):
+            stack.append((node, True))
+            stack.extend((child, False) for child in reversed(children[node]))
+
+
 def grammar_subtree(manager, request, tokens: list[int], parents: list[int]) -> list[int]:
     """The nodes of the tree ``(tokens, parents)`` that the request's grammar accepts after
     their path (each node's ancestors accepted too), in order. The grammar is left as it was."""
@@ -56,21 +71,17 @@ def grammar_subtree(manager, request, tokens: list[int], parents: list[int]) -> 
         valid = manager.validate_tokens(request, [tokens[i] for i in path])
         return path[: len(valid)]
     grammar = request.structured_output_request.grammar
-    roots, children = _children(parents)
     valid = [False] * len(tokens)
-    stack = [(node, False) for node in reversed(roots)]
-    while stack:
-        node, done = stack.pop()
-        if done:
-            grammar.rollback(1)
-            continue
+
+    def enter(node: int) -> bool:
         # validate first: a backend may log every rejected accept as an error (xgrammar does)
         if grammar.is_terminated() or not grammar.validate_tokens([tokens[node]]):
-            continue  # pruned with its subtree
+            return False  # pruned with its subtree
         grammar.accept_tokens(request.request_id, [tokens[node]])
         valid[node] = True
-        stack.append((node, True))
-        stack.extend((child, False) for child in reversed(children[node]))
+        return True
+
+    _depth_first(parents, enter, lambda node: grammar.rollback(1))
     return [node for node, ok in enumerate(valid) if ok]
 
 
@@ -87,16 +98,11 @@ def fill_tree_rows(manager, request, tokens: list[int], parents: list[int], base
     for its whole subtree, as vLLM's chain fill does after a rejection."""
     bitmask = manager._grammar_bitmask
     grammar = request.structured_output_request.grammar
-    roots, children = _children(parents)
-    stack = [(node, False) for node in reversed(roots)]
-    while stack:
-        node, done = stack.pop()
-        if done:
-            grammar.rollback(1)
-            continue
+    _, children = _children(parents)
+
+    def enter(node: int) -> bool:
         row = base + 1 + node
-        if grammar.is_terminated() or not grammar.accept_tokens(request.request_id,
-                                                                [tokens[node]]):
+        if grammar.is_terminated() or not grammar.validate_tokens([tokens[node]]):
             logger.error("ddtree: the grammar rejected draft token %s of request %s while "
                          "filling its bitmask", tokens[node], request.request_id)
             parent_row = base + 1 + parents[node] if parents[node] >= 0 else base
@@ -105,10 +111,12 @@ def fill_tree_rows(manager, request, tokens: list[int], parents: list[int], base
                 n = todo.pop()
                 bitmask[base + 1 + n].copy_(bitmask[parent_row])
                 todo.extend(children[n])
-            continue
+            return False
+        grammar.accept_tokens(request.request_id, [tokens[node]])
         if grammar.is_terminated():
             bitmask[row].fill_(manager._full_mask)
         else:
             grammar.fill_bitmask(bitmask, row)
-        stack.append((node, True))
-        stack.extend((child, False) for child in reversed(children[node]))
+        return True
+
+    _depth_first(parents, enter, lambda node: grammar.rollback(1))
