@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import torch
 
 from vllm_ddtree.plugin import grammar
+from vllm_ddtree.plugin.state import renumbered_parents
 
 VOCAB = 6
 END = 5  # terminates the grammar
@@ -139,7 +140,7 @@ def test_the_kept_nodes_are_the_grammar_valid_subtree_and_the_rows_follow_each_p
         pruned += len(tokens) - len(kept)
         # the rows of the kept subtree (parents renumbered), after the root row at base
         sub_tokens = [tokens[n] for n in kept]
-        sub_parents = grammar.renumbered_parents(parents, kept)
+        sub_parents = renumbered_parents(parents, kept)
         base = 3
         grammar.fill_tree_rows(manager, request, sub_tokens, sub_parents, base)
         assert request.structured_output_request.grammar.path == list(prefix)

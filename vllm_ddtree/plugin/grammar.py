@@ -49,10 +49,9 @@ def constrained_from_start(manager, request) -> bool:
     return manager._get_constraint_bounds(request, ()).constraint_start == 0
 
 
-def _depth_first(parents: list[int], enter, leave) -> None:
-    """Visit the tree depth first: ``enter(node)`` says whether to go below ``node`` (then
-    ``leave(node)`` follows its subtree); children in index order."""
-    roots, children = _children(parents)
+def _depth_first(roots: list[int], children: list[list[int]], enter, leave) -> None:
+    """Visit the tree (:func:`_children`) depth first: ``enter(node)`` says whether to go below
+    ``node`` (then ``leave(node)`` follows its subtree); children in index order."""
     stack = [(node, False) for node in reversed(roots)]
     while stack:
         node, done = stack.pop()
@@ -81,14 +80,8 @@ def grammar_subtree(manager, request, tokens: list[int], parents: list[int]) -> 
         valid[node] = True
         return True
 
-    _depth_first(parents, enter, lambda node: grammar.rollback(1))
+    _depth_first(*_children(parents), enter, lambda node: grammar.rollback(1))
     return [node for node, ok in enumerate(valid) if ok]
-
-
-def renumbered_parents(parents: list[int], kept: list[int]) -> list[int]:
-    """The parents of the kept nodes, as indices into ``kept``."""
-    new = {old: i for i, old in enumerate(kept)}
-    return [new[parents[old]] if parents[old] >= 0 else -1 for old in kept]
 
 
 def fill_tree_rows(manager, request, tokens: list[int], parents: list[int], base: int) -> None:
@@ -98,7 +91,7 @@ def fill_tree_rows(manager, request, tokens: list[int], parents: list[int], base
     for its whole subtree, as vLLM's chain fill does after a rejection."""
     bitmask = manager._grammar_bitmask
     grammar = request.structured_output_request.grammar
-    _, children = _children(parents)
+    roots, children = _children(parents)
 
     def enter(node: int) -> bool:
         row = base + 1 + node
@@ -119,4 +112,4 @@ def fill_tree_rows(manager, request, tokens: list[int], parents: list[int], base
             grammar.fill_bitmask(bitmask, row)
         return True
 
-    _depth_first(parents, enter, lambda node: grammar.rollback(1))
+    _depth_first(roots, children, enter, lambda node: grammar.rollback(1))

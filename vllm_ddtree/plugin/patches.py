@@ -70,6 +70,7 @@ from vllm_ddtree.plugin.options import (
     resolve_depth,
     split_speculative_config,
 )
+from vllm_ddtree.plugin.state import renumbered_parents
 
 _installed = False
 _GRAMMAR_STRIDE = False  # vLLM >= 0.33 lays the bitmask out in fixed blocks per request
@@ -447,7 +448,7 @@ def _wrap_update_draft_token_ids(original):
             kept = grammar.grammar_subtree(self.structured_output_manager, request, drafts,
                                            parents)
             request.spec_token_ids = [drafts[i] for i in kept]
-            setattr(request, grammar.TREE_ATTR, (kept, grammar.renumbered_parents(parents, kept)))
+            setattr(request, grammar.TREE_ATTR, (kept, renumbered_parents(parents, kept)))
         return original(self, type(draft_token_ids)(plain_ids, plain_drafts))
 
     return update_draft_token_ids

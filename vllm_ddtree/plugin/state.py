@@ -119,6 +119,13 @@ def best_path(parents: list[int], max_depth: int) -> list[int]:
     return path
 
 
+def renumbered_parents(parents: list[int], kept: list[int]) -> list[int]:
+    """The parents of the kept nodes (a subtree: a kept node's ancestors are kept), as indices
+    into ``kept``. Example: parents [-1, 0, -1, 2] keeping [0, 2, 3] -> [-1, -1, 1]."""
+    new = {old: i for i, old in enumerate(kept)}
+    return [new[parents[old]] if parents[old] >= 0 else -1 for old in kept]
+
+
 class ProposalStore:
     """Each request's latest proposal, kept on the device until it is verified or replaced.
 
@@ -473,9 +480,8 @@ class TreeState:
                     kept[req_id] = keep
                     del ids[self.depth:]
                 parents = nodes[row, 0, :real].tolist()
-                if keep is not None:  # renumbered (a kept node's ancestors are kept)
-                    new = {old: i for i, old in enumerate(keep)}
-                    parents = [new[parents[old]] if parents[old] >= 0 else -1 for old in keep]
+                if keep is not None:
+                    parents = renumbered_parents(parents, keep)
                 trees[req_id] = parents[: len(ids)]
             self.proposals.sent[req_id] = list(ids)  # a copy: the scheduler owns the list
         if self.budgets.drafts_sent(budgeted, [len(ids) for ids in drafts]):
