@@ -1,6 +1,8 @@
 #!/usr/bin/env python
 """What structured outputs cost a ddtree step: a batch of ``json_schema`` requests against the
-same batch of unconstrained requests, at B = 16, 64, 256 and without speculation (issue 24).
+same batch of unconstrained requests and a half-and-half batch, at B = 16, 64, 256 (the static
+policy and "auto", which counts the grammar's cost per node) and without speculation
+(issue 24).
 
 A structured-output request verifies the grammar-valid subtree of its tree (the plugin's
 ``grammar.py``: the scheduler accepts and rolls back each node's token along the tree, prunes
@@ -10,7 +12,8 @@ configuration in its own process, the tiny pair, CPU, T = 0, xgrammar without fr
 whitespace): tokens per second of each batch, the scheduler's grammar time per step (the
 check of the drafts, ``Scheduler.update_draft_token_ids``, plus the bitmask,
 ``StructuredOutputManager.grammar_bitmask``, each timed by wrapping the plugin's patched
-method) and the mean acceptance length of each batch.
+method), the mean acceptance length of each batch and the drafts sent per request and step
+for structured and unconstrained requests (auto's budgets).
 
 Usage::
 
@@ -38,7 +41,7 @@ PROMPTS = ["def parse(record):\n", "class Config:\n    ", "import json\n\n", "# 
            "    return {", "x = ", "def main():\n    data = ", "CONFIG = "]
 
 
-def run_one(budget: int, num_requests: int, max_tokens: int, repeats: int) -> dict:
+def run_one(budget: int, policy: str, num_requests: int, max_tokens: int, repeats: int) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm import LLM, SamplingParams
@@ -49,6 +52,7 @@ def run_one(budget: int, num_requests: int, max_tokens: int, repeats: int) -> di
 
     load_general_plugins()  # the plugin's patches first: the timers wrap them
     timers = {"check": [0.0, 0], "bitmask": [0.0, 0]}  # seconds, calls (one per step each)
+    sent = {"structured": [0, 0], "unconstrained": [0, 0]}  # drafts, request-steps
 
     def timed(original, timer):
         def run(self, *args, **kwargs):
@@ -60,23 +64,38 @@ def run_one(budget: int, num_requests: int, max_tokens: int, repeats: int) -> di
                 timer[1] += 1
         return run
 
+    def counted(original):
+        def run(self, draft_token_ids):
+            for req_id, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+                request = self.requests.get(req_id)
+                if request is not None:
+                    kind = sent["structured" if request.use_structured_output else "unconstrained"]
+                    kind[0] += len(drafts)
+                    kind[1] += 1
+            return original(self, draft_token_ids)
+        return run
+
     StructuredOutputManager.grammar_bitmask = timed(StructuredOutputManager.grammar_bitmask,
                                                     timers["bitmask"])
-    Scheduler.update_draft_token_ids = timed(Scheduler.update_draft_token_ids, timers["check"])
+    Scheduler.update_draft_token_ids = timed(counted(Scheduler.update_draft_token_ids),
+                                             timers["check"])
     spec = None
     if budget:
         spec = {"method": "ddtree", "model": os.path.join(PAIR, "drafter"),
-                "num_speculative_tokens": budget, "ddtree_budget_policy": "static"}
+                "num_speculative_tokens": budget, "ddtree_budget_policy": policy}
     llm = LLM(model=os.path.join(PAIR, "target"), dtype="float32", enforce_eager=True,
               gpu_memory_utilization=0.3, max_model_len=1024, seed=0,
               max_num_seqs=num_requests, max_num_batched_tokens=max(512, num_requests * (budget + 16)),
               speculative_config=spec, disable_log_stats=False,
               structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(num_requests)]
-    batches = {
-        "json_schema": SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                      structured_outputs=StructuredOutputsParams(json=SCHEMA)),
-        "unconstrained": SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+    structured = SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    unconstrained = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    batches = {  # every request alike, and half of each
+        "json_schema": [structured] * num_requests,
+        "unconstrained": [unconstrained] * num_requests,
+        "mixed": [structured, unconstrained] * (num_requests // 2),
     }
 
     def counters():
@@ -89,10 +108,13 @@ def run_one(budget: int, num_requests: int, max_tokens: int, repeats: int) -> di
 
     llm.generate(prompts, batches["unconstrained"], use_tqdm=False)  # warm-up
     llm.generate(prompts, batches["json_schema"], use_tqdm=False)
-    result = {"budget": budget, "requests": num_requests}
+    result = {"budget": budget, "policy": policy if budget else "plain",
+              "requests": num_requests}
     for name, params in batches.items():
         best, grammar = None, None
         before = counters()
+        for kind in sent.values():
+            kind[:] = [0, 0]
         for _ in range(repeats):
             for timer in timers.values():
                 timer[:] = [0.0, 0]
@@ -114,16 +136,21 @@ def run_one(budget: int, num_requests: int, max_tokens: int, repeats: int) -> di
             "grammar_check_ms_per_step": grammar["check"],
             "grammar_bitmask_ms_per_step": grammar["bitmask"], "bitmask_steps": grammar["steps"],
             "mean_acceptance_length": round(1 + accepted / drafts, 2) if drafts else None,
+            "drafts_per_request_step": {kind: round(n / steps, 2)
+                                        for kind, (n, steps) in sent.items() if steps},
         }
-        if name == "json_schema":
+        if name != "unconstrained":
             valid = 0
-            for o in outs:
+            for o, p in zip(outs, params):
+                if p.structured_outputs is None:
+                    continue
                 try:
                     json.loads(o.outputs[0].text)
                     valid += 1
                 except ValueError:
                     pass
-            result[name]["valid_json"] = f"{valid}/{len(outs)}"
+            result[name]["valid_json"] = \
+                f"{valid}/{sum(p.structured_outputs is not None for p in params)}"
     return result
 
 
@@ -131,6 +158,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budgets", type=int, nargs="+", default=[0, 16, 64, 256],
                         help="0: no speculation")
+    parser.add_argument("--policies", nargs="+", default=["static", "auto"])
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -140,12 +168,15 @@ def main() -> None:
     if args.one:
         print("RESULT " + json.dumps(run_one(**json.loads(args.one))), flush=True)
         return
+    if args.requests % 2:
+        parser.error("--requests must be even (the mixed batch is half structured)")
     results = []
     for budget in args.budgets:
-        one = json.dumps(dict(budget=budget, num_requests=args.requests,
-                              max_tokens=args.max_tokens, repeats=args.repeats))
-        results.append(run_child(os.path.abspath(__file__), one, []))
-        print(json.dumps(results[-1]), flush=True)
+        for policy in args.policies if budget else ["static"]:
+            one = json.dumps(dict(budget=budget, policy=policy, num_requests=args.requests,
+                                  max_tokens=args.max_tokens, repeats=args.repeats))
+            results.append(run_child(os.path.abspath(__file__), one, []))
+            print(json.dumps(results[-1]), flush=True)
     write_results(args.out, __file__, results)
 
 

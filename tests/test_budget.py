@@ -131,3 +131,56 @@ def test_cost_model_validation():
         CostModel((4, 2), (1.0, 2.0), (1,), (1.0,))
     with pytest.raises(ValueError, match="positive"):
         CostModel((1,), (0.0,), (1,), (1.0,))
+
+
+def brute_force_with_costs(gains, cost, node_cost) -> float:
+    """:func:`brute_force` where each node of request r also adds ``node_cost[r]`` seconds."""
+    num_reqs, width = gains.shape
+    best = num_reqs / cost.verify_time(torch.tensor([float(num_reqs)])).item()
+    for budgets in itertools.product(range(width + 1), repeat=num_reqs):
+        if not any(budgets):
+            continue
+        tokens = num_reqs + sum(gains[r, :b].sum().item() for r, b in enumerate(budgets))
+        time = (cost.verify_time(torch.tensor([float(num_reqs + sum(budgets))])).item()
+                + cost.draft_time(num_reqs) + sum(c * b for c, b in zip(node_cost, budgets)))
+        best = max(best, tokens / time)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_auto_with_node_costs_is_the_best_budget_vector(seed):
+    """Requests whose nodes cost extra host time (structured outputs' grammar work): auto's
+    budgets reach the best rate over every budget vector (with the costs counted)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_reqs, width = 3, 4
+    gains = torch.rand(num_reqs, width, generator=gen, dtype=torch.float64)
+    gains = gains.sort(dim=1, descending=True).values * torch.rand(num_reqs, 1, generator=gen,
+                                                                    dtype=torch.float64)
+    knee = int(torch.randint(2, 12, (1,), generator=gen))
+    per_token = float(torch.rand(1, generator=gen)) * 2e-3
+    cost = CostModel((1, knee, knee + 100), (5e-3, 5e-3, 5e-3 + 100 * per_token), (1,),
+                     (float(torch.rand(1, generator=gen)) * 4e-3 + 1e-4,))
+    node_cost = (torch.rand(num_reqs, generator=gen, dtype=torch.float64) * 2e-3
+                 * (torch.rand(num_reqs, generator=gen) < 0.6))
+    budgets = auto_budgets(gains, cost, node_cost=node_cost).tolist()
+    if sum(budgets) == 0:
+        rate = num_reqs / cost.verify_time(torch.tensor([float(num_reqs)])).item()
+    else:
+        tokens = num_reqs + sum(gains[r, :b].sum().item() for r, b in enumerate(budgets))
+        rate = tokens / (cost.verify_time(torch.tensor([float(num_reqs + sum(budgets))])).item()
+                         + cost.draft_time(num_reqs)
+                         + sum(c * b for c, b in zip(node_cost.tolist(), budgets)))
+    assert rate == pytest.approx(brute_force_with_costs(gains, cost, node_cost.tolist()),
+                                 rel=1e-9)
+
+
+def test_node_costs_take_nodes_from_the_requests_that_pay_for_them():
+    """Free verification (10 ms whatever the rows), 1 ms of drafter: every plain node pays.
+    A request whose nodes cost 1 ms each still gets both (rates 3.4/11, 4.3/12, 4.8/13 tokens
+    per ms), at 5 ms each none (4.3/16 < 3.4/11): the other request keeps its two."""
+    gains = torch.tensor([[0.9, 0.5], [0.9, 0.5]], dtype=torch.float64)
+    flat = CostModel((1, 1000), (10e-3, 10e-3), (1,), (1e-3,))
+    assert auto_budgets(gains, flat, node_cost=torch.tensor([1e-3, 0.0])).tolist() == [2, 2]
+    assert auto_budgets(gains, flat, node_cost=torch.tensor([5e-3, 0.0])).tolist() == [0, 2]
+    assert auto_budgets(gains, flat, node_cost=torch.zeros(2)).tolist() == \
+        auto_budgets(gains, flat).tolist()

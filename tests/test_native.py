@@ -642,7 +642,8 @@ def test_tree_attention_equals_the_torch_twin(native, isa, dtype, bs, nkv, d, gr
 def test_auto_budget_function_equals_the_torch_path(native, versus_plain):
     """auto's budget function (calibrated gains, global ranking, the cost model's best k, the
     plain-decoding comparison) as one fused op gives the torch path's budgets: random trees,
-    calibrations, cost curves, scales, sampled and incomplete requests."""
+    calibrations, cost curves, scales, sampled and incomplete requests, structured requests
+    (node costs, a limit of L nodes)."""
     from vllm_ddtree.budget import Calibration, CostModel, budget_function
 
     gen = torch.Generator().manual_seed(21)
@@ -659,10 +660,16 @@ def test_auto_budget_function_equals_the_torch_path(native, versus_plain):
         sampled = torch.rand(num_reqs, generator=gen) < 0.5
         complete = None if trial % 3 else torch.rand(num_reqs, generator=gen) < 0.7
         scales = dict(on_scale=0.5 + trial / 20, off_scale=0.8 + trial / 40)
+        costs = {}
+        if trial % 2:  # structured requests: their grammar cost per node, at most L nodes
+            structured = torch.rand(num_reqs, generator=gen) < 0.6
+            costs = dict(node_cost=structured * torch.rand(num_reqs, generator=gen,
+                                                           dtype=torch.float64) * 3e-4,
+                         limit=torch.where(structured, depth, width))
 
         def budgets():
             fn = budget_function(cost, calibration, sampled, complete,
-                                 versus_plain=versus_plain, **scales)
+                                 versus_plain=versus_plain, **scales, **costs)
             return fn(tree.scores, tree.depths)
 
         fused, ref = both_paths(native, budgets)

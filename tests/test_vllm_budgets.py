@@ -314,3 +314,50 @@ def test_a_failed_cost_measurement_stops_the_engine_and_names_the_fix(monkeypatc
         error = error.__cause__ or error.__context__
     text = " | ".join(chain)
     assert "no clock on this device" in text and "\"ddtree_budget_policy\": \"static\"" in text
+
+
+def test_auto_counts_the_grammar_cost_of_structured_requests(synthetic_auto, monkeypatch):
+    """Verification is free (FREE_COST: every node pays for its row). While the scheduler's
+    grammar work costs nothing per node, structured-output requests send trees (at most L
+    nodes); at 1 s per node (the mean the scheduler sends with each schedule, forced here)
+    auto gives them none, and the unconstrained requests of the same steps keep theirs."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from vllm_ddtree.plugin import grammar
+
+    use, _ = synthetic_auto
+    use(FREE_COST)
+    per_node = {"seconds": 0.0}
+    monkeypatch.setattr(grammar.GrammarTime, "per_node", lambda self: per_node["seconds"])
+    llm = make_llm(ddtree_spec(16, ddtree_budget_policy="auto"), **ENGINE,
+                   structured_outputs_config={"backend": "xgrammar",
+                                              "disable_any_whitespace": True})
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    sent, update = [], scheduler.update_draft_token_ids
+
+    def spy(draft_token_ids):
+        for req_id, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+            request = scheduler.requests.get(req_id)
+            if request is not None and request.num_output_tokens > 1:  # decoding
+                sent.append((per_node["seconds"], request.use_structured_output, len(drafts)))
+        return update(draft_token_ids)
+
+    scheduler.update_draft_token_ids = spy
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    structured = SamplingParams(temperature=0.0, max_tokens=32,
+                                structured_outputs=StructuredOutputsParams(json=schema))
+    depth = ddtree_state(llm).depth  # L
+    try:
+        for seconds in (0.0, 1.0):
+            per_node["seconds"] = seconds
+            llm.generate(PROMPTS[:4], [structured, GREEDY] * 2, use_tqdm=False)
+    finally:
+        del scheduler.update_draft_token_ids
+        close(llm)
+
+    def drafts(seconds, is_structured):
+        return [n for s, kind, n in sent if s == seconds and kind == is_structured]
+
+    assert max(drafts(0.0, True)) > 1 and max(drafts(0.0, True)) <= depth
+    assert drafts(1.0, True) and not any(drafts(1.0, True))
+    assert max(drafts(0.0, False)) > depth and max(drafts(1.0, False)) > depth

@@ -26,7 +26,15 @@ import re
 from dataclasses import dataclass
 
 import pytest
-from vllm_utils import PROMPTS, close, ddtree_spec, make_llm, mean_acceptance_length, spec_metrics
+from vllm_utils import (
+    PROMPTS,
+    close,
+    ddtree_spec,
+    ddtree_state,
+    make_llm,
+    mean_acceptance_length,
+    spec_metrics,
+)
 
 from vllm import SamplingParams
 from vllm.sampling_params import StructuredOutputsParams
@@ -161,12 +169,48 @@ def ddtree():
         sole = llm.generate(PROMPTS, [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=32,
                                                      ignore_eos=True, logprobs=0)
                                       for i in range(len(PROMPTS))], use_tqdm=False)
+        metrics = spec_metrics(llm)
         return {"cases": got, "seeded": [mixed[-1].outputs[0], alone[0].outputs[0]],
-                "seeded_sole": [o.outputs[0] for o in sole], "metrics": spec_metrics(llm),
-                "grammar_checks": checks}
+                "seeded_sole": [o.outputs[0] for o in sole], "metrics": metrics,
+                "grammar_checks": checks, "unknown": _unknown_field_phase(llm)}
     finally:
         grammar.grammar_subtree = real
         close(llm)
+
+
+UNKNOWN = ["greedy_A", "presence_A", "greedy_B", "logprobs5_A"]
+
+
+def _unknown_field_phase(llm):
+    """A later vLLM's new sampling field, played by ``presence_penalty`` taken out of the
+    plugin's table (known_params.KNOWN): the batch of UNKNOWN, then a batch without it."""
+    from vllm_ddtree.plugin import known_params
+
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    steps, real_schedule = [], scheduler.schedule
+
+    def schedule(*args, **kwargs):
+        output = real_schedule(*args, **kwargs)
+        steps.append((set(output.num_scheduled_tokens),
+                      sum(map(len, output.scheduled_spec_decode_tokens.values())),
+                      output.ddtree_without_drafts, output.ddtree_grammar_node_s))
+        return output
+
+    warnings, real_warning = [], known_params.logger.warning
+    scheduler.schedule = schedule
+    known_params.logger.warning = lambda *args: warnings.append(args)
+    del known_params.KNOWN["presence_penalty"]
+    try:
+        cases = [BY_NAME[name] for name in UNKNOWN]
+        first = _generate(llm, cases)
+        second = _generate(llm, cases)  # logged once: not again
+        after = _generate(llm, [BY_NAME["greedy_A"], BY_NAME["greedy_B"]])
+    finally:
+        known_params.KNOWN["presence_penalty"] = "counts the path's tokens"
+        known_params.logger.warning = real_warning
+        del scheduler.schedule
+    return {"first": first, "second": second, "after": after, "steps": steps,
+            "warnings": warnings, "worker_grammar_node_s": ddtree_state(llm).budgets.grammar_node_s}
 
 
 def _ids(out):
@@ -258,6 +302,31 @@ def test_structured_requests_verify_branching_trees_pruned_by_their_grammar(ddtr
     assert any(any(p not in (-1, n - 1) for n, p in enumerate(parents))
                for parents, _ in checks), "no tree branched"
     assert any(kept != list(range(len(kept))) for _, kept in checks), "nothing was pruned"
+
+
+def test_unknown_sampling_field_is_served_without_drafts(plain, ddtree):
+    """A request setting a field the plugin does not know: while it is scheduled no request
+    verifies drafts (vLLM's sampler serves every row, exact), the outputs of its batch are plain
+    decoding's, the log names the field once, and drafting resumes when it has finished."""
+    got = ddtree["unknown"]
+    for batch in ("first", "second"):
+        for name in UNKNOWN:
+            assert _ids(got[batch][name]) == _ids(plain[name]), (batch, name)
+        assert_logprobs_equal(plain["logprobs5_A"], got[batch]["logprobs5_A"], 5)
+    for name in ("greedy_A", "greedy_B"):
+        assert _ids(got["after"][name]) == _ids(plain[name])
+    assert len(got["warnings"]) == 1 and "presence_penalty" in got["warnings"][0][2]
+    held = [drafts for _, drafts, without, _ in got["steps"] if without]
+    assert len(held) >= 2 * MAX_TOKENS - 2 and not any(held)  # two batches, no drafts
+    assert any(drafts for _, drafts, without, _ in got["steps"] if not without)  # resumed
+
+
+def test_the_grammar_cost_per_node_reaches_the_workers(ddtree):
+    """The scheduler timed the structured requests' grammar work (grammar.GrammarTime) and
+    sends its mean per node with every schedule; the worker's policy holds the latest."""
+    sent = [node_s for *_, node_s in ddtree["unknown"]["steps"]]
+    assert sent and all(0 < s < 0.1 for s in sent)
+    assert ddtree["unknown"]["worker_grammar_node_s"] == sent[-1]
 
 
 def test_seeded_sampling_with_features_is_reproducible(ddtree):

@@ -207,3 +207,36 @@ def test_cuda_extra_resolves_to_a_supported_vllm():
     low, high = (int(cuda[1]), int(cuda[2])), (int(cuda[3]), int(cuda[4]))
     assert low == min(versions.SUPPORTED) and high == (0, max(versions.SUPPORTED)[1] + 1)
     assert (int(cpu[1]), int(cpu[2])) in versions.SUPPORTED
+
+
+def test_every_sampling_field_of_the_release_is_known(release):
+    """``known_params.KNOWN`` names exactly the ``SamplingParams`` fields of each release: a
+    field the plugin does not serve would be caught here before a user meets the fallback."""
+    from vllm_ddtree.plugin.known_params import KNOWN
+
+    _, sources = release
+    _, node = sources.find("vllm.sampling_params", "SamplingParams")
+    fields = [item.target.id for item in node.body
+              if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)]
+    assert len(fields) > 30
+    assert sorted(fields) == sorted(KNOWN)
+
+
+def test_unknown_fields_are_the_unknown_ones_set():
+    from vllm import SamplingParams
+
+    from vllm_ddtree.plugin import known_params
+
+    params = SamplingParams(presence_penalty=0.5, temperature=0.3)
+    assert sorted(type(params).__struct_fields__) == sorted(known_params.KNOWN)
+    assert known_params.unknown_fields(params) == []
+    saved = dict(known_params.KNOWN)
+    try:
+        for name in ("presence_penalty", "frequency_penalty"):
+            del known_params.KNOWN[name]
+        # only the one set: a field at its default does not count
+        assert known_params.unknown_fields(params) == ["presence_penalty"]
+        assert known_params.unknown_fields(SamplingParams()) == []
+    finally:
+        known_params.KNOWN.clear()
+        known_params.KNOWN.update(saved)

@@ -185,7 +185,8 @@ def node_gains(scores: torch.Tensor, depths: torch.Tensor, factors: torch.Tensor
 
 
 def auto_budgets(gains: torch.Tensor, cost: CostModel, on_scale: float = 1.0,
-                 off_scale: float = 1.0, versus_plain: bool = True) -> torch.Tensor:
+                 off_scale: float = 1.0, versus_plain: bool = True,
+                 node_cost: torch.Tensor | None = None) -> torch.Tensor:
     """Per-request budgets ``[R]`` int64 that maximise the expected tokens per second of a step.
 
     Args:
@@ -197,6 +198,13 @@ def auto_budgets(gains: torch.Tensor, cost: CostModel, on_scale: float = 1.0,
         versus_plain: compare the best tree step with plain decoding (the model decides
             whether to draft at all); False when the engine's measured rates decide that, so
             the budgets are the best trees given that the drafter runs.
+        node_cost: ``[R]`` float64 seconds that each node of request r adds to the step
+            besides its verify row (the scheduler's grammar work for a structured-output
+            request), or None. Taking a node then adds its cost to the step time, and the
+            nodes are ranked twice: by gain per cost, ``g * s / (s + c_r)`` with ``s`` the
+            step curve's mean slope per node, then by ``g - lam * c_r`` with ``lam`` the best
+            rate of the first ranking (a Dinkelbach step); the better of the two wins. Both
+            keep each request's best-first order.
 
     The nodes of all requests are ranked by gain (ties: request, then node order); taking the
     first k costs ``T_verify(R + k) + T_draft(R)`` and emits ``R + S_k`` tokens in expectation.
@@ -212,15 +220,35 @@ def auto_budgets(gains: torch.Tensor, cost: CostModel, on_scale: float = 1.0,
     num_reqs, width = gains.shape
     device = gains.device
     flat = gains.flatten()
-    order = torch.sort(flat, descending=True, stable=True).indices  # [R * B]
-    taken = torch.cat([flat.new_zeros(1), flat[order].cumsum(0)])  # S_0 .. S_{R*B}
     k = torch.arange(num_reqs * width + 1, device=device)
     step_time = (cost.verify_time(num_reqs + k) + cost.draft_time(num_reqs)) * on_scale
-    rate = (num_reqs + taken) / step_time
-    keep = rate.argmax()
+
+    def best_prefix(key: torch.Tensor, per_node: torch.Tensor | None):
+        """(order of the nodes by ``key``, best k, its rate)."""
+        order = torch.sort(key, descending=True, stable=True).indices  # [R * B]
+        taken = torch.cat([flat.new_zeros(1), flat[order].cumsum(0)])  # S_0 .. S_{R*B}
+        time = step_time
+        if per_node is not None:
+            time = step_time + torch.cat([flat.new_zeros(1), per_node[order].cumsum(0)])
+        rate = (num_reqs + taken) / time
+        keep = rate.argmax()
+        return order, keep, rate[keep]
+
+    if node_cost is None or not flat.numel():
+        order, keep, best = best_prefix(flat, None)
+    else:
+        per_node = node_cost.to(torch.float64)[:, None].expand(num_reqs, width).flatten()
+        slope = ((step_time[-1] - step_time[0]) / flat.numel()).clamp(min=1e-12)
+        order, keep, best = best_prefix(flat * slope / (slope + per_node), per_node)
+        # one Dinkelbach step: at the best rate lam, the best k nodes are those of largest
+        # g - lam * c (exact in every brute-force check of tests/test_budget.py)
+        order2, keep2, best2 = best_prefix(flat - best * per_node, per_node)
+        better = best2 > best
+        order = torch.where(better, order2, order)
+        keep, best = torch.where(better, keep2, keep), torch.maximum(best, best2)
     if versus_plain:
         plain = num_reqs / (cost.verify_time_host(num_reqs) * off_scale)
-        keep = torch.where(rate[keep] > plain, keep, 0)
+        keep = torch.where(best > plain, keep, 0)
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=device)
     chosen = (rank < keep).view(num_reqs, width)
@@ -229,12 +257,16 @@ def auto_budgets(gains: torch.Tensor, cost: CostModel, on_scale: float = 1.0,
 
 def budget_function(cost: CostModel, calibration: Calibration, sampled: torch.Tensor,
                     complete: torch.Tensor | None = None, on_scale: float = 1.0,
-                    off_scale: float = 1.0, versus_plain: bool = True):
+                    off_scale: float = 1.0, versus_plain: bool = True,
+                    node_cost: torch.Tensor | None = None, limit: torch.Tensor | None = None):
     """auto's ``build_tree`` budget for one step: ``fn(scores, depths) -> [R]`` budgets from
     the calibrated node gains (:func:`node_gains`) and the step cost model
     (:func:`auto_budgets`). ``sampled``: ``[R]`` bool, requests with T > 0; ``complete``:
     ``[R]`` bool or None, requests whose drafter context is complete (the others get no
-    nodes). On the CPU the whole function is one fused op (``torch.ops.ddtree.auto_budgets``).
+    nodes); ``node_cost`` (``[R]`` float64 seconds, see :func:`auto_budgets`) and ``limit``
+    (``[R]`` int64, the most nodes each request can send: gains past it count 0), both or
+    neither. On the CPU the whole function is one fused op
+    (``torch.ops.ddtree.auto_budgets``).
     """
     num_reqs = sampled.shape[0]
     ops = cpu_ops(sampled.device)
@@ -243,13 +275,14 @@ def budget_function(cost: CostModel, calibration: Calibration, sampled: torch.Te
         plain_time = cost.verify_time_host(num_reqs) * off_scale if versus_plain else 0.0
         draft_time = cost.draft_time(num_reqs)
         everyone = sampled[:0]  # an empty mask: every request's context is complete
+        costs = (xs[:0], xs[:0].long()) if node_cost is None else (node_cost, limit)
 
         def fused(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
             return ops.auto_budgets(scores.contiguous(), depths.contiguous(),
                                     calibration.predicted, calibration.observed,
                                     calibration.prior, sampled,
                                     everyone if complete is None else complete.contiguous(), xs, ys,
-                                    draft_time, on_scale, plain_time)
+                                    draft_time, on_scale, plain_time, *costs)
 
         return fused
     factors = calibration.factors()
@@ -258,8 +291,11 @@ def budget_function(cost: CostModel, calibration: Calibration, sampled: torch.Te
         gains = node_gains(scores, depths, factors, sampled)
         if complete is not None:
             gains = gains * complete[:, None]
+        if limit is not None:
+            index = torch.arange(gains.shape[1], device=gains.device)
+            gains = gains * (index[None, :] < limit[:, None])
         return auto_budgets(gains, cost, on_scale=on_scale, off_scale=off_scale,
-                            versus_plain=versus_plain)
+                            versus_plain=versus_plain, node_cost=node_cost)
 
     return budgets
 

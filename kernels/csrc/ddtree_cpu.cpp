@@ -534,14 +534,23 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> tree_attention_info(const Tensor& req
 // [2, L] float64, the calibration (row 0 greedy, row 1 sampled requests); sampled, complete:
 // [R] bool (complete: empty = every request); xs/ys: the verify cost curve (float64);
 // plain_time: the step time of plain decoding (<= 0: the measured rates decide whether to
-// draft, the model only sizes the trees). Returns the per-request budgets [R] int64.
+// draft, the model only sizes the trees); node_cost: [R] float64 seconds each node of a request
+// adds beyond its verify row (the scheduler's grammar work), limit: [R] int64 the most nodes a
+// request can send (both empty: none). Returns the per-request budgets [R] int64.
 Tensor auto_budgets(const Tensor& scores, const Tensor& depths, const Tensor& predicted,
                     const Tensor& observed, double prior, const Tensor& sampled,
                     const Tensor& complete, const Tensor& xs, const Tensor& ys,
-                    double draft_time, double on_scale, double plain_time) {
-  for (auto* t : {&scores, &depths, &predicted, &observed, &sampled, &complete, &xs, &ys}) {
+                    double draft_time, double on_scale, double plain_time,
+                    const Tensor& node_cost, const Tensor& limit) {
+  for (auto* t : {&scores, &depths, &predicted, &observed, &sampled, &complete, &xs, &ys,
+                  &node_cost, &limit}) {
     check_cpu(*t, "auto_budgets input");
   }
+  TORCH_CHECK(node_cost.numel() == 0 || (node_cost.scalar_type() == at::kDouble &&
+                                         limit.scalar_type() == at::kLong &&
+                                         node_cost.numel() == scores.size(0) &&
+                                         limit.numel() == scores.size(0)),
+              "auto_budgets: node_cost and limit must be [R] float64 and int64");
   TORCH_CHECK(scores.scalar_type() == at::kFloat && depths.scalar_type() == at::kLong &&
                   predicted.scalar_type() == at::kDouble &&
                   observed.scalar_type() == at::kDouble && sampled.scalar_type() == at::kBool &&
@@ -557,6 +566,8 @@ Tensor auto_budgets(const Tensor& scores, const Tensor& depths, const Tensor& pr
   const bool* cpl = complete.numel() ? complete.data_ptr<bool>() : nullptr;
   const double* x = xs.data_ptr<double>();
   const double* y = ys.data_ptr<double>();
+  const double* nc = node_cost.numel() ? node_cost.data_ptr<double>() : nullptr;
+  const int64_t* lim = node_cost.numel() ? limit.data_ptr<int64_t>() : nullptr;
   double y_min = y[0];
   for (int64_t i = 1; i < P; ++i) y_min = std::min(y_min, y[i]);
   std::vector<double> gains(N);
@@ -571,13 +582,10 @@ Tensor auto_budgets(const Tensor& scores, const Tensor& depths, const Tensor& pr
         g = c * std::exp(static_cast<double>(sc[r * B + i]));
       }
       if (cpl != nullptr && !cpl[r]) g = 0.0;  // no drafter context: no nodes
+      if (lim != nullptr && i >= lim[r]) g = 0.0;  // beyond what the request can send
       gains[r * B + i] = g;
     }
   }
-  std::vector<int64_t> order(N);
-  for (int64_t i = 0; i < N; ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return gains[a] > gains[b]; });
   const auto verify_time = [&](double n) {
     if (P == 1) return y[0];
     int64_t seg = std::upper_bound(x, x + P, n) - x - 1;
@@ -585,15 +593,48 @@ Tensor auto_budgets(const Tensor& scores, const Tensor& depths, const Tensor& pr
     const double t = y[seg] + (y[seg + 1] - y[seg]) * (n - x[seg]) / (x[seg + 1] - x[seg]);
     return std::max(t, y_min * 1e-3);
   };
-  double taken = 0.0, best_rate = -1.0;
-  int64_t keep = 0;
-  for (int64_t k = 0; k <= N; ++k) {
-    if (k > 0) taken += gains[order[k - 1]];
-    const double step = (verify_time(static_cast<double>(R + k)) + draft_time) * on_scale;
-    const double rate = (static_cast<double>(R) + taken) / step;
-    if (rate > best_rate) {  // the first of equal maxima, as torch.argmax
-      best_rate = rate;
-      keep = k;
+  const auto step_time = [&](int64_t k) {
+    return (verify_time(static_cast<double>(R + k)) + draft_time) * on_scale;
+  };
+  // the nodes ranked by key, best first; the best prefix of that order: (k, its rate)
+  std::vector<int64_t> order(N);
+  const auto best_prefix = [&](const std::vector<double>& keys, std::vector<int64_t>& ranked) {
+    for (int64_t i = 0; i < N; ++i) ranked[i] = i;
+    std::stable_sort(ranked.begin(), ranked.end(),
+                     [&](int64_t a, int64_t b) { return keys[a] > keys[b]; });
+    double taken = 0.0, extra = 0.0, best_rate = -1.0;
+    int64_t keep = 0;
+    for (int64_t k = 0; k <= N; ++k) {
+      if (k > 0) {
+        taken += gains[ranked[k - 1]];
+        if (nc != nullptr) extra += nc[ranked[k - 1] / B];
+      }
+      const double rate = (static_cast<double>(R) + taken) / (step_time(k) + extra);
+      if (rate > best_rate) {  // the first of equal maxima, as torch.argmax
+        best_rate = rate;
+        keep = k;
+      }
+    }
+    return std::make_pair(keep, best_rate);
+  };
+  int64_t keep;
+  double best_rate;
+  if (nc == nullptr || N == 0) {
+    std::tie(keep, best_rate) = best_prefix(gains, order);
+  } else {
+    // gain per cost (a node's row costs the step curve's mean slope), then one Dinkelbach
+    // step: g - rate * cost at the first ranking's best rate; the better one wins
+    const double slope = std::max((step_time(N) - step_time(0)) / N, 1e-12);
+    std::vector<double> keys(N);
+    for (int64_t i = 0; i < N; ++i) keys[i] = gains[i] * slope / (slope + nc[i / B]);
+    std::tie(keep, best_rate) = best_prefix(keys, order);
+    for (int64_t i = 0; i < N; ++i) keys[i] = gains[i] - best_rate * nc[i / B];
+    std::vector<int64_t> order2(N);
+    const auto [keep2, rate2] = best_prefix(keys, order2);
+    if (rate2 > best_rate) {
+      keep = keep2;
+      best_rate = rate2;
+      order.swap(order2);
     }
   }
   if (plain_time > 0 && !(best_rate > static_cast<double>(R) / plain_time)) keep = 0;
@@ -884,7 +925,7 @@ TORCH_LIBRARY(ddtree, m) {
         "bool bf16_probs) -> ()");
   m.def("auto_budgets(Tensor scores, Tensor depths, Tensor predicted, Tensor observed, "
         "float prior, Tensor sampled, Tensor complete, Tensor xs, Tensor ys, float draft_time, "
-        "float on_scale, float plain_time) -> Tensor");
+        "float on_scale, float plain_time, Tensor node_cost, Tensor limit) -> Tensor");
   m.def("calibration_observe_(Tensor(a!) predicted, Tensor(b!) observed, Tensor scores, "
         "Tensor depths, Tensor num_accepted, Tensor counted, Tensor sampled, float decay) -> ()");
   m.def("copy_slots_(Tensor(a!)[] flats, Tensor offsets, int slot_stride, Tensor slot_mapping, "

@@ -24,17 +24,56 @@ grammar objects (``accept_tokens`` / ``rollback`` / ``fill_bitmask``: any backen
 
 A request whose grammar does not constrain its first token yet (reasoning still running:
 vLLM's constraint bounds) drafts its tree's most probable path and vLLM checks it as a chain.
+
+Cost: steps 2 and 4 are timed (:class:`GrammarTime`). Each schedule carries the mean seconds
+per node (``SchedulerOutput.ddtree_grammar_node_s``) and the seconds spent since the previous
+schedule (``ddtree_grammar_s``) to the workers, where the "auto" budget policy counts a node's
+grammar cost in the step time of the trees it sizes (``budget.auto_budgets``, ``node_cost``).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 from vllm_ddtree.plugin.state import best_path
 
 logger = logging.getLogger("vllm.ddtree")
 
 TREE_ATTR = "ddtree_tree"  # on the scheduler's Request: (kept sent-node indices, their parents)
+TIME_DECAY = 0.9  # weight of the past in the mean seconds per node, per timed call
+
+
+class GrammarTime:
+    """The scheduler's grammar work on trees (check and bitmask rows), timed: a decaying mean
+    of seconds per node, and the seconds spent since the last schedule."""
+
+    def __init__(self):
+        self.since_schedule = 0.0
+        self._seconds = self._nodes = 0.0
+
+    def add(self, seconds: float, nodes: int) -> None:
+        self.since_schedule += seconds
+        if nodes:
+            self._seconds = TIME_DECAY * self._seconds + seconds
+            self._nodes = TIME_DECAY * self._nodes + nodes
+
+    def per_node(self) -> float:
+        """Mean seconds per node (0.0 until a tree was timed)."""
+        return self._seconds / self._nodes if self._nodes else 0.0
+
+    def take(self) -> float:
+        """The seconds spent since the last call (a schedule)."""
+        seconds, self.since_schedule = self.since_schedule, 0.0
+        return seconds
+
+
+def grammar_time(manager) -> GrammarTime:
+    """The :class:`GrammarTime` of a scheduler's ``StructuredOutputManager``."""
+    timer = manager.__dict__.get("_ddtree_grammar_time")
+    if timer is None:
+        timer = manager._ddtree_grammar_time = GrammarTime()
+    return timer
 
 
 def _children(parents: list[int]) -> tuple[list[int], list[list[int]]]:

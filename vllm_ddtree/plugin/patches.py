@@ -19,7 +19,9 @@ every symbol the plugin relies on must be as ``versions.REQUIREMENTS`` describes
    pads them to num_speculative_tokens -1 drafts to keep one CUDA graph shape: B wasted rows
    that are not a proposal). ``Scheduler.schedule``: the step's clock stamp
    (``SchedulerOutput.ddtree_clock``), the only time the "auto" policy reads, so that every
-   tensor-parallel rank decides alike (``ranks.py``).
+   tensor-parallel rank decides alike (``ranks.py``); no drafts at all while a request sets a
+   sampling parameter the plugin does not know (``known_params.py``,
+   ``SchedulerOutput.ddtree_without_drafts``).
 4c. ``Scheduler.update_draft_token_ids``, ``StructuredOutputManager.grammar_bitmask`` and the
    schedule's ``SchedulerOutput.ddtree_kept``: structured outputs with trees, the grammar
    checked and its bitmask rows filled along each tree (``grammar.py``).
@@ -61,7 +63,7 @@ import dataclasses
 import functools
 import time
 
-from vllm_ddtree.plugin import grammar
+from vllm_ddtree.plugin import grammar, known_params
 from vllm_ddtree.plugin.options import (
     ADDITIONAL_CONFIG_KEY,
     DDTreeConfigError,
@@ -408,11 +410,20 @@ def _wrap_scheduler_init(original):
 def _wrap_schedule(original):
     @functools.wraps(original)
     def schedule(self, *args, **kwargs):
-        output = original(self, *args, **kwargs)
         runs_ddtree = self.__dict__.get("_ddtree_runs")
         if runs_ddtree is None:
             runs_ddtree = self._ddtree_runs = ddtree_options(self.vllm_config) is not None
+        without_drafts = runs_ddtree and any(
+            known_params.untreeable(request) for request in self.requests.values())
+        if without_drafts:
+            # a request sets a sampling parameter the plugin does not know (known_params.py):
+            # no request verifies drafts while it is here, so vLLM's own sampler serves every
+            # row, exactly as plain decoding
+            for request in self.running:
+                request.spec_token_ids = []
+        output = original(self, *args, **kwargs)
         if runs_ddtree:
+            output.ddtree_without_drafts = without_drafts  # the workers draft nothing either
             # The one clock the "auto" policy reads: every rank gets this stamp with the step
             # (ranks.py), so every rank times the steps alike and decides alike.
             output.ddtree_clock = time.perf_counter()
@@ -423,6 +434,10 @@ def _wrap_schedule(original):
                 if tree is not None:
                     kept[req_id] = tree[0][: len(tokens)]
             output.ddtree_kept = kept
+            # the grammar's cost, which the "auto" policy counts per structured node
+            timer = grammar.grammar_time(self.structured_output_manager)
+            output.ddtree_grammar_node_s = timer.per_node()
+            output.ddtree_grammar_s = timer.take()
         return output
 
     return schedule
@@ -445,8 +460,11 @@ def _wrap_update_draft_token_ids(original):
                 plain_ids.append(req_id)
                 plain_drafts.append(drafts)
                 continue
+            start = time.perf_counter()
             kept = grammar.grammar_subtree(self.structured_output_manager, request, drafts,
                                            parents)
+            grammar.grammar_time(self.structured_output_manager).add(
+                time.perf_counter() - start, len(drafts))
             request.spec_token_ids = [drafts[i] for i in kept]
             setattr(request, grammar.TREE_ATTR, (kept, renumbered_parents(parents, kept)))
         return original(self, type(draft_token_ids)(plain_ids, plain_drafts))
@@ -477,7 +495,9 @@ def _wrap_grammar_bitmask(original):
             if req_id in trees:
                 request = requests[req_id]
                 parents = getattr(request, grammar.TREE_ATTR)[1][: len(tokens)]
+                start = time.perf_counter()
                 grammar.fill_tree_rows(self, request, list(tokens), parents, base)
+                grammar.grammar_time(self).add(time.perf_counter() - start, len(tokens))
             if not _GRAMMAR_STRIDE:  # 0.32: each request's drafts, then its bonus row
                 base += len(tokens) + 1
         return bitmask
@@ -562,7 +582,8 @@ def _wrap_prepare_inputs(original):
         state = getattr(self, "ddtree_state", None)
         if state is None:
             return original(self, scheduler_output, num_scheduled_tokens)
-        plan = state.plan_step(self.input_batch.req_ids[: self.input_batch.num_reqs])
+        plan = state.plan_step(self.input_batch.req_ids[: self.input_batch.num_reqs],
+                               getattr(scheduler_output, "ddtree_without_drafts", False))
         if state.check_ranks:  # VLLM_DDTREE_CHECK_RANKS=1 under tensor parallelism (debug)
             from vllm_ddtree.plugin.ranks import check_same
 
@@ -588,6 +609,9 @@ def _wrap_prepare_inputs(original):
             state.forget_finished(self.requests)  # finished and aborted requests
         num_tokens = scheduler_output.total_num_scheduled_tokens
         clock = getattr(scheduler_output, "ddtree_clock", None)  # the scheduler's (ranks.py)
+        # the scheduler's grammar work (grammar.GrammarTime): auto counts it
+        state.budgets.grammar_node_s = getattr(scheduler_output, "ddtree_grammar_node_s", 0.0)
+        grammar_s = getattr(scheduler_output, "ddtree_grammar_s", 0.0)
         # the drafter's positions before the depth shift (a cold step's drafter reads none)
         state.chain_positions = None if plan == "cold" else self.positions[:num_tokens].clone()
         num_reqs = self.input_batch.num_reqs
@@ -595,7 +619,8 @@ def _wrap_prepare_inputs(original):
         if not any(num_draft):
             # No request has drafts (the policy paused the drafter, requests at their end,
             # prefill): nothing to verify, the step samples like plain decoding (see _sample).
-            state.budgets.step_started(clock, num_reqs, num_tokens, num_tokens == num_reqs, False)
+            state.budgets.step_started(clock, num_reqs, num_tokens, num_tokens == num_reqs, False,
+                                       grammar_s)
             state.end_step_without_verify()
             _keep_sample_positions(self, state, result[0])
             return result
@@ -603,7 +628,7 @@ def _wrap_prepare_inputs(original):
         _attach_state_to_builders(self, state)  # they read the trees of verify steps only
         # a decode-only step: every request runs its last token and its drafts (no prefill)
         state.budgets.step_started(clock, num_reqs, num_tokens,
-                                   num_tokens == num_reqs + sum(num_draft), True)
+                                   num_tokens == num_reqs + sum(num_draft), True, grammar_s)
         starts = [0]
         for n in num_scheduled_tokens[: num_reqs - 1].tolist():
             starts.append(starts[-1] + int(n))

@@ -140,6 +140,9 @@ class BudgetController:
         self._measured: dict[tuple[int, bool], MeasuredRate] = {}  # (bucket, drafting) -> rate
         self._remeasure_at: dict[int, int] = {}  # batch bucket -> step to re-measure plain
         self._drafting_now = True
+        # the scheduler's mean grammar seconds per structured-output node (grammar.GrammarTime,
+        # with each step's schedule): auto counts it in the step time of the trees it sizes
+        self.grammar_node_s = 0.0
         self.stats = PolicyStats()
         self._totals = PolicyStats()
         self._logged_at = time.monotonic()
@@ -147,7 +150,7 @@ class BudgetController:
     def decision_state(self) -> tuple:
         """Everything the policy's next decisions depend on, host side (compared across the
         tensor-parallel ranks each step under ``VLLM_DDTREE_CHECK_RANKS=1``, ``ranks.py``)."""
-        return (self.step, self._drafting_now, self.on_scale, self.off_scale,
+        return (self.step, self._drafting_now, self.on_scale, self.off_scale, self.grammar_node_s,
                 sorted(self._pause_until.items()), sorted(self._pause.items()),
                 sorted(self._no_streak.items()), sorted(self._draft_rate.items()),
                 sorted(self._remeasure_at.items()),
@@ -192,11 +195,13 @@ class BudgetController:
         self.stats.cold += 1
 
     def budget(self, num_reqs: int, sampled: torch.Tensor | None,
-               complete: torch.Tensor | None = None):
+               complete: torch.Tensor | None = None, structured: list[bool] | None = None):
         """What ``build_tree`` gets as its budget this step: an int, or (auto) a function of
         the ranked candidates. ``sampled``: ``[R]`` bool, requests with T > 0 (None: all
         greedy); ``complete``: ``[R]`` bool, requests whose drafter context is complete (None:
-        all), the others get no nodes (only auto pauses go cold)."""
+        all), the others get no nodes (only auto pauses go cold); ``structured``: per request,
+        whether it has structured outputs (auto: it sends at most L nodes, each costing the
+        scheduler's grammar time :attr:`grammar_node_s` besides its verify row)."""
         if self.name == "static":
             return self.max_budget
         if self.table is not None:
@@ -207,9 +212,17 @@ class BudgetController:
             sampled = torch.zeros(num_reqs, dtype=torch.bool, device=self.device)
         # measured rates of both kinds here decide whether to draft; the model sizes the trees
         versus_plain = not self._measured_both(self._bucket(num_reqs))
+        node_cost = limit = None
+        if structured is not None and any(structured):
+            from vllm_ddtree.plugin.state import to_device  # state.py imports this module
+
+            node_cost = to_device([self.grammar_node_s * s for s in structured], torch.float64,
+                                  self.device)
+            limit = to_device([self.depth if s else self.max_budget for s in structured],
+                              torch.int64, self.device)
         return budget_function(self.cost, self.calibration, sampled, complete,
                                on_scale=self.on_scale, off_scale=self.off_scale,
-                               versus_plain=versus_plain)
+                               versus_plain=versus_plain, node_cost=node_cost, limit=limit)
 
     # --- after the drafts reached the host (take_draft_token_ids) --------------------------
 
@@ -293,14 +306,15 @@ class BudgetController:
         self._emitted = num_tokens
 
     def step_started(self, now: float, num_reqs: int, num_tokens: int, decode_only: bool,
-                     verified: bool) -> None:
+                     verified: bool, grammar_s: float = 0.0) -> None:
         """Called at the start of every step (``verified``: whether it verifies drafts) with
         ``now``, the scheduler's clock stamp of the step (``SchedulerOutput.ddtree_clock``: the
         same number on every tensor-parallel rank, see ``ranks.py``; never this rank's own
         clock): the time since the previous step's stamp is that step's cost (its verify
         forward over its tokens, then the drafter if it ran at its end: ``_drafting_now`` still
         holds that decision); compare it with the model (auto), and fold it into the measured
-        rates."""
+        rates. ``grammar_s``: the scheduler's grammar seconds since its previous schedule
+        (known exactly, so added to the model's prediction, not learned by the scales)."""
         if self.cost is None:
             return
         if now is None:
@@ -322,7 +336,7 @@ class BudgetController:
             key = (self._bucket(reqs), last_verified)
             rate = self._measured.get(key) or self._measured.setdefault(key, MeasuredRate())
             rate.add(seconds, emitted)
-        predicted = self.cost.verify_time_host(tokens)
+        predicted = self.cost.verify_time_host(tokens) + grammar_s
         if self._drafting_now:
             predicted += self.cost.draft_time(reqs)
             self.on_scale = _updated_scale(self.on_scale, (now - start) / predicted)

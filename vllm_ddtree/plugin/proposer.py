@@ -58,10 +58,13 @@ class DDTreeProposer(DFlashProposer):
         state = self.ddtree_state
         self.flush_context()  # paused steps' context first, then this step's: in order
         num_reqs = kwargs["next_token_ids"].shape[0]
-        sampled = None  # [R] bool, requests with T > 0: only auto's budgets weigh them
+        sampled = structured = None  # only auto's budgets weigh them
         if state.budgets.name == "auto":
             sampling = sampling_batch(kwargs["sampling_metadata"])
-            sampled = None if sampling is None else ~sampling.is_greedy
+            sampled = None if sampling is None else ~sampling.is_greedy  # [R] bool, T > 0
+            requests = self._runner.requests
+            structured = [requests[req_id].sampling_params.structured_outputs is not None
+                          for req_id in self._runner.input_batch.req_ids[:num_reqs]]
         complete = None
         if state.ever_cold:  # requests with a hole in their drafter context draft nothing
             table = self._runner.input_batch.block_table[self.kv_cache_gid]
@@ -70,7 +73,7 @@ class DDTreeProposer(DFlashProposer):
                 self._runner.input_batch.num_computed_tokens_cpu[:num_reqs].tolist(),
                 table.block_size)
             state.context_written(self._step_slots(kwargs["target_hidden_states"].shape[0]))
-        self._pending_budget = state.budgets.budget(num_reqs, sampled, complete)
+        self._pending_budget = state.budgets.budget(num_reqs, sampled, complete, structured)
         self._pending_tree = None
         super().propose(state.depth, **kwargs)
         tree = self._pending_tree

@@ -349,9 +349,11 @@ class TreeState:
         # reads them: read in clip_drafts after that wait, so this adds no synchronisation.
         self._latest_nodes = nodes[:, 1:].to(torch.int16).to("cpu", non_blocking=True)
 
-    def plan_step(self, req_ids: list[str]) -> str:
+    def plan_step(self, req_ids: list[str], without_drafts: bool = False) -> str:
         """What the drafter does at the end of this step (decided before its forward, kept in
-        :attr:`plan`): ``"draft"`` when the policy drafts and at least half of the requests
+        :attr:`plan`): ``"draft"`` when the policy drafts, the scheduler allows drafts
+        (``without_drafts``: a request it holds sets a sampling parameter the plugin does not
+        know, ``known_params.py``) and at least half of the requests
         have a complete drafter context (requests scheduled in a cold step have lost theirs);
         else ``"context"`` when the policy keeps the drafter's cache (its context pass only)
         and some request can still use it; else ``"cold"``: nothing, the step's positions lose
@@ -360,7 +362,8 @@ class TreeState:
         usable = num_reqs
         if self.cold_reqs:
             usable = num_reqs - len(self.cold_reqs.intersection(req_ids))
-        if usable and budgets.will_draft(num_reqs) and 2 * usable >= num_reqs:
+        if (usable and not without_drafts and budgets.will_draft(num_reqs)
+                and 2 * usable >= num_reqs):
             self.plan = "draft"
         elif usable and budgets.keeps_context(num_reqs):
             self.plan = "context"
