@@ -108,18 +108,28 @@ def test_hsd_chain_mode_greedy_identical(baseline):
     close(llm)
 
 
+HANDMADE_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=1024)
+
+
+@pytest.fixture(scope="module")
+def handmade(tmp_path_factory):
+    """The hand-made pair (tests/handmade_pair.py) and its greedy outputs without speculation."""
+    from handmade_pair import make_pair
+
+    target, drafter = make_pair(tmp_path_factory.mktemp("handmade") / "pair")
+    llm = make_llm(None, model=target, **HANDMADE_ENGINE)
+    expect = _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    close(llm)
+    return target, drafter, expect
+
+
 @pytest.mark.parametrize("budget", [8, 64])
-def test_drafter_with_other_attention_shapes(tmp_path, budget):
+def test_drafter_with_other_attention_shapes(handmade, budget):
     """A hand-made pair (tests/handmade_pair.py): untied 4-layer target with 4/2 heads of 64, a
     2-layer drafter with 8/1 heads of 32 and block size 16. vLLM keeps both in one KV-cache group
     with per-layer specs; compaction must touch only the target's layers, with their shape."""
-    from handmade_pair import make_pair
-
-    target, drafter = make_pair(tmp_path / "pair")
-    engine = dict(model=target, max_num_seqs=8, max_num_batched_tokens=1024)
-    llm = make_llm(None, **engine)
-    expect = _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
-    close(llm)
+    target, drafter, expect = handmade
+    engine = dict(model=target, **HANDMADE_ENGINE)
     spec = ddtree_spec(budget, model=drafter)
     llm = make_llm(spec, **engine)
     assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expect
@@ -129,19 +139,19 @@ def test_drafter_with_other_attention_shapes(tmp_path, budget):
 
 
 @pytest.mark.parametrize("pair", ["tiny", "handmade"])
-def test_acceptance_equals_the_transformers_engine(tmp_path, pair):
+def test_acceptance_equals_the_transformers_engine(request, pair):
     """Round for round, vLLM with ddtree accepts what the independent transformers engine
     (vllm_ddtree.hf, its own drafter and KV cache, never clipped) accepts on the same prompts at
     T = 0: the drafter's context after compaction is the committed text's, so nothing is lost
     in vLLM. Rounds that start with fewer than L + 1 tokens left are clipped in vLLM (only the
     usable nodes are drafted), so there only the emitted text is compared."""
-    from handmade_pair import make_pair
     from vllm_utils import DRAFTER, TARGET
 
     from vllm_ddtree.hf.engine import generate
     from vllm_ddtree.hf.evaluate import heldout_prompts, load_pair
 
-    target_dir, drafter_dir = (TARGET, DRAFTER) if pair == "tiny" else make_pair(tmp_path / "p")
+    target_dir, drafter_dir = ((TARGET, DRAFTER) if pair == "tiny"
+                               else request.getfixturevalue("handmade")[:2])
     target, drafter, tokenizer = load_pair(target_dir, drafter_dir)
     depth, max_new = drafter.block_size - 1, 40
     prompts = heldout_prompts(tokenizer, 4, prompt_len=48)
