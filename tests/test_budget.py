@@ -59,24 +59,32 @@ def test_knee_in_the_cost_curve():
     assert max(range(5), key=rate.__getitem__) == 2
 
 
-def brute_force(gains: torch.Tensor, cost: CostModel) -> float:
-    """The best tokens per second over every per-request budget vector, and plain decoding."""
+def step_rate(gains: torch.Tensor, cost: CostModel, budgets, node_cost=None) -> float:
+    """Expected tokens per second of a step with these per-request budgets (each request's
+    nodes also cost ``node_cost[r]`` seconds each); all zero: plain decoding, no drafter."""
+    num_reqs = gains.shape[0]
+    if not any(budgets):
+        return num_reqs / cost.verify_time(torch.tensor([float(num_reqs)])).item()
+    tokens = num_reqs + sum(gains[r, :b].sum().item() for r, b in enumerate(budgets))
+    time = (cost.verify_time(torch.tensor([float(num_reqs + sum(budgets))])).item()
+            + cost.draft_time(num_reqs))
+    if node_cost is not None:
+        time += sum(c * b for c, b in zip(node_cost, budgets))
+    return tokens / time
+
+
+def brute_force(gains: torch.Tensor, cost: CostModel, node_cost=None) -> float:
+    """The best :func:`step_rate` over every per-request budget vector."""
     num_reqs, width = gains.shape
-    plain = num_reqs / cost.verify_time(torch.tensor([float(num_reqs)])).item()
-    best = plain
-    for budgets in itertools.product(range(width + 1), repeat=num_reqs):
-        tokens = num_reqs + sum(gains[r, :b].sum().item() for r, b in enumerate(budgets))
-        time = (cost.verify_time(torch.tensor([float(num_reqs + sum(budgets))])).item()
-                + cost.draft_time(num_reqs))
-        best = max(best, tokens / time)
-    return best
+    return max(step_rate(gains, cost, budgets, node_cost)
+               for budgets in itertools.product(range(width + 1), repeat=num_reqs))
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_auto_is_the_best_budget_vector(seed):
+def random_case(seed: int):
+    """3 requests x 4 nodes of best-first gains (non-increasing along each row), a cost curve
+    flat up to a random knee, and per-request node costs (0 for ~40 % of the requests)."""
     gen = torch.Generator().manual_seed(seed)
     num_reqs, width = 3, 4
-    # best-first gains: non-increasing along each row
     gains = torch.rand(num_reqs, width, generator=gen, dtype=torch.float64)
     gains = gains.sort(dim=1, descending=True).values * torch.rand(num_reqs, 1, generator=gen,
                                                                     dtype=torch.float64)
@@ -84,15 +92,27 @@ def test_auto_is_the_best_budget_vector(seed):
     per_token = float(torch.rand(1, generator=gen)) * 2e-3
     cost = CostModel((1, knee, knee + 100), (5e-3, 5e-3, 5e-3 + 100 * per_token), (1,),
                      (float(torch.rand(1, generator=gen)) * 4e-3 + 1e-4,))
-    budgets = auto_budgets(gains, cost)
-    tokens = num_reqs + sum(gains[r, :b].sum().item() for r, b in enumerate(budgets.tolist()))
-    total = num_reqs + int(budgets.sum())
-    if int(budgets.sum()) == 0:
-        rate = num_reqs / cost.verify_time(torch.tensor([float(num_reqs)])).item()
-    else:
-        rate = tokens / (cost.verify_time(torch.tensor([float(total)])).item()
-                         + cost.draft_time(num_reqs))
-    assert rate == pytest.approx(brute_force(gains, cost), rel=1e-9)
+    node_cost = (torch.rand(num_reqs, generator=gen, dtype=torch.float64) * 2e-3
+                 * (torch.rand(num_reqs, generator=gen) < 0.6))
+    return gains, cost, node_cost
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_auto_is_the_best_budget_vector(seed):
+    gains, cost, _ = random_case(seed)
+    budgets = auto_budgets(gains, cost).tolist()
+    assert step_rate(gains, cost, budgets) == pytest.approx(brute_force(gains, cost), rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_auto_with_node_costs_is_the_best_budget_vector(seed):
+    """Requests whose nodes cost extra host time (structured outputs' grammar work): auto's
+    budgets reach the best rate over every budget vector (with the costs counted)."""
+    gains, cost, node_cost = random_case(seed)
+    budgets = auto_budgets(gains, cost, node_cost=node_cost).tolist()
+    costs = node_cost.tolist()
+    assert step_rate(gains, cost, budgets, costs) == pytest.approx(
+        brute_force(gains, cost, costs), rel=1e-9)
 
 
 def test_node_gains_apply_the_depth_calibration():
@@ -131,47 +151,6 @@ def test_cost_model_validation():
         CostModel((4, 2), (1.0, 2.0), (1,), (1.0,))
     with pytest.raises(ValueError, match="positive"):
         CostModel((1,), (0.0,), (1,), (1.0,))
-
-
-def brute_force_with_costs(gains, cost, node_cost) -> float:
-    """:func:`brute_force` where each node of request r also adds ``node_cost[r]`` seconds."""
-    num_reqs, width = gains.shape
-    best = num_reqs / cost.verify_time(torch.tensor([float(num_reqs)])).item()
-    for budgets in itertools.product(range(width + 1), repeat=num_reqs):
-        if not any(budgets):
-            continue
-        tokens = num_reqs + sum(gains[r, :b].sum().item() for r, b in enumerate(budgets))
-        time = (cost.verify_time(torch.tensor([float(num_reqs + sum(budgets))])).item()
-                + cost.draft_time(num_reqs) + sum(c * b for c, b in zip(node_cost, budgets)))
-        best = max(best, tokens / time)
-    return best
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_auto_with_node_costs_is_the_best_budget_vector(seed):
-    """Requests whose nodes cost extra host time (structured outputs' grammar work): auto's
-    budgets reach the best rate over every budget vector (with the costs counted)."""
-    gen = torch.Generator().manual_seed(seed)
-    num_reqs, width = 3, 4
-    gains = torch.rand(num_reqs, width, generator=gen, dtype=torch.float64)
-    gains = gains.sort(dim=1, descending=True).values * torch.rand(num_reqs, 1, generator=gen,
-                                                                    dtype=torch.float64)
-    knee = int(torch.randint(2, 12, (1,), generator=gen))
-    per_token = float(torch.rand(1, generator=gen)) * 2e-3
-    cost = CostModel((1, knee, knee + 100), (5e-3, 5e-3, 5e-3 + 100 * per_token), (1,),
-                     (float(torch.rand(1, generator=gen)) * 4e-3 + 1e-4,))
-    node_cost = (torch.rand(num_reqs, generator=gen, dtype=torch.float64) * 2e-3
-                 * (torch.rand(num_reqs, generator=gen) < 0.6))
-    budgets = auto_budgets(gains, cost, node_cost=node_cost).tolist()
-    if sum(budgets) == 0:
-        rate = num_reqs / cost.verify_time(torch.tensor([float(num_reqs)])).item()
-    else:
-        tokens = num_reqs + sum(gains[r, :b].sum().item() for r, b in enumerate(budgets))
-        rate = tokens / (cost.verify_time(torch.tensor([float(num_reqs + sum(budgets))])).item()
-                         + cost.draft_time(num_reqs)
-                         + sum(c * b for c, b in zip(node_cost.tolist(), budgets)))
-    assert rate == pytest.approx(brute_force_with_costs(gains, cost, node_cost.tolist()),
-                                 rel=1e-9)
 
 
 def test_node_costs_take_nodes_from_the_requests_that_pay_for_them():
