@@ -9,13 +9,19 @@ row by row, for every feature at once and each alone, with vLLM's own functions 
 where they exist (``apply_all_penalties`` and ``_apply_bad_words_single_batch`` on the row's
 explicit history, a non-speculative ``ThinkingBudgetStateHolder`` stepped token by token along
 it as plain decoding steps it, the built-in processors' rules written out per row otherwise);
-then the sampler's greedy choice and its min_p step. Engine-level identity with plain decoding is in
-``test_vllm_features.py``.
+then the sampler's greedy choice and its min_p step; then the composition end to end: the
+emitted text's exact law at T = 1, by enumerating every outcome of a tree's rows and walking
+it, against plain decoding's law with the same features (two mutants fail it: rows processed
+with the root's history, and rows not processed). Engine-level identity with plain decoding is
+in ``test_vllm_features.py``.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import types
+from collections import defaultdict
 
 import pytest
 import torch
@@ -32,7 +38,8 @@ from vllm.v1.sample.thinking_budget_state import ThinkingBudgetStateHolder
 
 from vllm_ddtree.plugin.features import ForcedRows, TreeFeatures, forced_tokens
 from vllm_ddtree.sampling import RowSampling, SamplingBatch, sample_rows
-from vllm_ddtree.tree import build_tree
+from vllm_ddtree.tree import DraftTree, build_tree, pack_mask
+from vllm_ddtree.walk import walk
 
 VOCAB = 12
 DEVICE = torch.device("cpu")
@@ -132,9 +139,13 @@ def _row_history(tree, meta, request: int, node: int) -> list[int]:
 
 
 def _oracle_row(logits_row, tree, meta, request: int, node: int) -> torch.Tensor:
-    """Plain decoding's processing of one row with its explicit history, in vLLM's order."""
+    """Plain decoding's processing of one tree row (its history: the output, then its path)."""
+    return _plain_row(logits_row, meta, request, _row_history(tree, meta, request, node))
+
+
+def _plain_row(logits_row, meta, request: int, history: list[int]) -> torch.Tensor:
+    """Plain decoding's processing of one row with an explicit history, in vLLM's order."""
     x = logits_row.clone()[None]
-    history = _row_history(tree, meta, request, node)
     depth = len(history) - len(meta.output_token_ids[request])
     if meta.allowed_token_ids_mask is not None:
         x.masked_fill_(meta.allowed_token_ids_mask[request], float("-inf"))
@@ -184,6 +195,100 @@ def test_every_row_is_processed_as_plain_decoding_after_its_path(features, seed)
         assert torch.equal(got, expected[part]), (features, part.tolist())
     changed = ~torch.isclose(expected, logits).all(dim=-1)
     assert changed.any(), "the features changed no row: the check could not fail"
+
+
+def _min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """vLLM's min_p on temperature-scaled logits: tokens below min_p x the top probability."""
+    probs = logits.softmax(-1)
+    return logits.masked_fill(probs < probs.amax(-1, keepdim=True) * min_p, float("-inf"))
+
+
+def _hand_trees(tokens: list[int], parents: list[int], num_reqs: int) -> DraftTree:
+    """Request 0's tree from token / parent lists (parents before children), then
+    ``num_reqs - 1`` requests without nodes."""
+    n = len(tokens)
+    depths, dense = [], torch.zeros(num_reqs, n + 1, n + 1, dtype=torch.bool)
+    dense[:, :, 0] = True
+    for k, p in enumerate(parents):
+        depths.append(1 if p < 0 else depths[p] + 1)
+        dense[0, k + 1] = dense[0, p + 1]
+        dense[0, k + 1, k + 1] = True
+    pad = [[-1] * n] * (num_reqs - 1)
+    return DraftTree(
+        token_ids=torch.tensor([tokens] + pad), parents=torch.tensor([parents] + pad),
+        depths=torch.tensor([depths] + [[0] * n] * (num_reqs - 1)),
+        scores=torch.zeros(num_reqs, n), num_nodes=torch.tensor([n] + [0] * (num_reqs - 1)),
+        ancestor_mask=pack_mask(dense), max_depth=max(depths))
+
+
+@pytest.mark.parametrize("features", [{f} for f in sorted(ALL)] + [ALL])
+def test_the_emitted_text_has_plain_decodings_law_by_enumeration(features):
+    """End to end at T = 1 on request 0 (each feature, then all at once): a tree of 3 nodes
+    on plain decoding's likely paths, its rows processed by TreeFeatures (then min_p), every
+    joint outcome of the rows' samples enumerated (12^4) and walked; the emitted tokens,
+    continued by plain decoding, have exactly plain decoding's law of the next 3 tokens (each
+    prefix processed as plain decoding after the output plus that prefix). The features are
+    set where the path matters: a bad word and a min_tokens bound that bite on node rows
+    only, a thinking budget whose end is forced from the root on."""
+    gen = torch.Generator().manual_seed(7)
+    depth = 2
+    prefixes = [p for n in range(depth + 1) for p in itertools.product(range(VOCAB), repeat=n)]
+    index = {p: i for i, p in enumerate(prefixes)}
+    target = torch.randn(len(prefixes), VOCAB, generator=gen) * 1.5  # the target, per prefix
+    meta = _metadata(4, gen, features)
+    outputs = meta.output_token_ids[0]
+    outputs[:] = [2, 6]  # in place: the processors' entries hold this list
+    if "thinking" in features:  # prompt [5, 3, 1], budget 3: the end is forced from the root
+        meta.thinking_budget_state_holder = _thinking_holder(
+            {r: (prompt, budget, meta.output_token_ids[r]) for r, (prompt, budget)
+             in THINKING.items()}, num_spec_tokens=16)
+    min_p = float(meta.logitsprocs.argmax_invariant[0].min_p_cpu[0]) if "min_p" in features \
+        else 0.0
+
+    def plain_law():
+        def probs(prefix):
+            row = _plain_row(target[index[prefix]], meta, 0, outputs + list(prefix))
+            return _min_p(row[None], min_p)[0].softmax(-1).double()
+        return torch.stack([probs(p) for p in prefixes])  # [prefixes, V]
+
+    first = int(plain_law()[index[()]].argmax())
+    raw_next = int(target[index[(first,)]].argmax())  # the target's own choice after it
+    if "bad_words" in features:  # banned after `first` only: on that node's row
+        meta.bad_words_token_ids[0] = [[first, raw_next]]
+    if "min_tokens" in features:  # stop tokens masked at depth 0 only: the root's row
+        meta.logitsprocs.non_argmax_invariant[0].min_toks[0] = (3, outputs, {raw_next}, False)
+    plain = plain_law()
+    ranked = plain[index[()]].argsort(descending=True).tolist()
+    tree = _hand_trees([ranked[0], ranked[1], int(plain[index[(ranked[0],)]].argmax())],
+                       [-1, -1, 0], 4)
+    paths = [(), (ranked[0],), (ranked[1],), (ranked[0], int(tree.token_ids[0, 2]))]
+    logits = torch.cat([target[[index[p] for p in paths]], torch.randn(3, VOCAB, generator=gen)])
+    built = TreeFeatures.build(meta, tree, torch.tensor([4, 5, 6, 7]), tuple(logits.shape))
+    rows, probs = torch.arange(4), logits[:4].clone()
+    if built is not None:
+        probs = built.after_temperature(built.apply(probs, rows), rows)
+    probs = probs.softmax(-1).double()
+    outcomes = torch.tensor(list(itertools.product(range(VOCAB), repeat=4)))
+    one = DraftTree(**{f: (getattr(tree, f)[:1].expand(len(outcomes), *getattr(tree, f).shape[1:])
+                           if torch.is_tensor(getattr(tree, f)) else getattr(tree, f))
+                       for f in tree.__dataclass_fields__})
+    verdict = walk(one, outcomes)
+    weights = probs[rows[None, :], outcomes].prod(dim=1)
+    emitted = defaultdict(float)
+    for out, n, w in zip(verdict.output_tokens.tolist(), verdict.num_accepted.tolist(),
+                         weights.tolist()):
+        emitted[tuple(out[: n + 1])] += w
+    assert sum(w for e, w in emitted.items() if len(e) == 3) > 0.01  # depth 2 accepted
+    # each emitted prefix continued by plain decoding to 3 tokens, against plain's own law
+    got, law = defaultdict(float), {}
+    for seq in itertools.product(range(VOCAB), repeat=depth + 1):
+        law[seq] = math.prod(float(plain[index[seq[:i]], t]) for i, t in enumerate(seq))
+    for prefix, w in emitted.items():
+        for rest in itertools.product(range(VOCAB), repeat=depth + 1 - len(prefix)):
+            got[prefix + rest] += w * math.prod(float(plain[index[prefix + rest[:i]], t])
+                                                for i, t in enumerate(rest))
+    assert max(abs(got[k] - law[k]) for k in law) < 1e-6  # float32 rows; a wrong law: >1e-3
+    assert not torch.allclose(plain, target.softmax(-1).double()), "no feature bit"
 
 
 def test_paths_matter_rows_of_one_request_differ():
