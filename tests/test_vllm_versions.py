@@ -13,6 +13,7 @@ import ast
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from vllm_ddtree.plugin import versions
@@ -237,6 +238,10 @@ def test_unknown_fields_are_the_unknown_ones_set():
         # only the one set: a field at its default does not count
         assert known_params.unknown_fields(params) == ["presence_penalty"]
         assert known_params.unknown_fields(SamplingParams()) == []
+        # a value whose == is not a truth value (an array) counts as set, without an error
+        del known_params.KNOWN["prompt_logprob_token_ids"]
+        arrays = SamplingParams(prompt_logprob_token_ids=np.array([[1, 2]]), prompt_logprobs=1)
+        assert known_params.unknown_fields(arrays) == ["prompt_logprob_token_ids"]
     finally:
         known_params.KNOWN.clear()
         known_params.KNOWN.update(saved)

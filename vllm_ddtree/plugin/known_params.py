@@ -2,7 +2,7 @@
 serves it; the fallback for a field it does not know.
 
 A request may set only fields this table names (vLLM 0.32.0 and 0.33.0 have the same 42;
-``tests/test_known_params.py`` holds the table against both). A later vLLM of a supported
+``tests/test_vllm_versions.py`` holds the table against both wheels' sources). A later vLLM of a supported
 series (a patch release) may add a field that changes what a request's tokens are, which the
 tree sampler would not apply. A request that sets such a field (a value other than the
 field's default) is served with no drafts (budget 0): while it is scheduled, the scheduler
@@ -82,12 +82,20 @@ def _default(params, name: str):
     return _defaults.get(name)
 
 
+def _is_default(value, default) -> bool:
+    try:
+        return bool(value == default)
+    except Exception:  # an array, or a type whose == is not a truth value: treat it as set
+        return value is default
+
+
 def unknown_fields(params) -> list[str]:
     """The fields ``params`` sets (not at their default) that :data:`KNOWN` does not name."""
     if params is None:
         return []
     return [name for name in getattr(params, "__struct_fields__", ())
-            if name not in KNOWN and getattr(params, name) != _default(params, name)]
+            if name not in KNOWN and not _is_default(getattr(params, name),
+                                                      _default(params, name))]
 
 
 def untreeable(request) -> bool:
