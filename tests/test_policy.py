@@ -14,6 +14,7 @@ from vllm_ddtree.plugin.options import DDTreeOptions
 from vllm_ddtree.plugin.policy import (
     EXPLORE_AFTER,
     FIRST_PAUSE,
+    MAX_PAUSE,
     MIN_MEASURED,
     PAUSE_AFTER,
     REMEASURE_AFTER,
@@ -145,15 +146,30 @@ def test_a_drafter_slower_than_plain_decoding_is_paused_whatever_the_model_says(
     # ones; a step's measurement lands when the next step starts
     assert first_off == EXPLORE_AFTER + 2
     assert ran[first_off:first_off + FIRST_PAUSE] == [False] * FIRST_PAUSE
-    # PAUSE_AFTER "no"s with a falling rate of "draft" answers pause it, then single probes
-    # after doubling pauses (8, 16, 32, ... steps)
-    after = ran[first_off + FIRST_PAUSE:]
-    assert sum(after[:10]) <= 5 and sum(after[100:]) <= 2
+    # PAUSE_AFTER "no"s with a falling rate of "draft" answers pause it, then probes after
+    # doubling pauses (8, 16, 32, ... steps); a probe drafts one step that verifies nothing,
+    # then until MIN_MEASURED of its own verify steps are measured, and answers "no" at the
+    # last of them (its drafts are verified in the pause's first step)
+    runs = alternating_runs(ran[first_off + FIRST_PAUSE:])
+    assert runs[0][0] and runs[0][1] <= 5 and runs[1] == (False, FIRST_PAUSE)
+    probe = MIN_MEASURED + 2
+    for k, i in enumerate(range(2, len(runs) - 1, 2)):
+        assert runs[i] == (True, probe)
+        assert runs[i + 1] == (False, min(FIRST_PAUSE << (k + 1), MAX_PAUSE)) or i + 2 == len(runs)
+    assert len(runs) >= 12  # up to the longest pause
     summary = engine.ctl.summary()
     measured = summary["measured_tokens_per_s"]
     # probes answered "no" count with the model's 1 ms drafter added
     assert 2.5 / 0.017 <= measured["1-1 requests, drafting"] <= 2.5 / 0.016
     assert measured["1-1 requests, plain"] == pytest.approx(1 / 0.005, rel=0.01)
+
+
+def alternating_runs(ran: list[bool]) -> list[tuple[bool, int]]:
+    """(value, length) of every run of equal values."""
+    runs: list[tuple[bool, int]] = []
+    for r in ran:
+        runs[-1:] = [(r, runs[-1][1] + 1)] if runs and runs[-1][0] == r else runs[-1:] + [(r, 1)]
+    return runs
 
 
 def paused_runs(ran: list[bool]) -> list[tuple[int, int]]:
@@ -227,15 +243,19 @@ def test_which_steps_are_measured():
 
 
 def test_a_drafter_that_becomes_faster_than_plain_decoding_drafts_again():
-    """Paused by its measured rate, a drafter whose steps then get faster (3 tokens in 8 ms)
-    is found again by its probes: each probe's verify step refreshes the drafting rate."""
+    """Paused by its measured rate (pauses up to MAX_PAUSE), a drafter whose steps then get
+    faster (3 tokens in 8 ms) drafts again from its next probe on: the probe's own verify
+    steps decide, not the running average of the slow ones (with a one-step probe that moved
+    the average by MEASURED_EMA, it took ~1500 steps of doubling pauses)."""
     engine = Engine()
-    slow = [engine.step(0.016, 2.5, 0.005) for _ in range(300)]
-    assert sum(slow[200:]) <= 2
-    fast = [engine.step(0.008, 3, 0.005) for _ in range(3000)]
-    # drafting again: only the periodic plain re-measurements pause it
-    runs = paused_runs(fast[-600:])
-    assert 1 <= len(runs) <= 3 and all(length == FIRST_PAUSE for _, length in runs), runs
+    slow = [engine.step(0.016, 2.5, 0.005) for _ in range(600)]
+    assert alternating_runs(slow)[-1] == (False, 30)  # 30 steps into a pause of MAX_PAUSE
+    fast = [engine.step(0.008, 3, 0.005) for _ in range(1000)]
+    runs = paused_runs(fast)
+    # the pause in progress ends, the probe answers "draft"; from then on only the periodic
+    # plain re-measurements pause it
+    assert runs[0] == (0, MAX_PAUSE - 30), runs
+    assert len(runs) >= 3 and all(length == FIRST_PAUSE for _, length in runs[1:]), runs
 
 
 def test_once_measured_the_rates_decide_whether_to_draft_and_the_model_sizes_trees():

@@ -27,7 +27,9 @@ until this regime has both kinds of step measured, then by the measured rates be
 running rate of "draft" answers below one half: a few unsure trees, as at the start of a
 generation, do not switch off a drafter that pays), and probes again after a pause that doubles
 each time the probe's answer stays the same (8 steps, then 16, ... up to 256), per batch-size
-bucket (R's power of two): a new regime of traffic gets its own answer.
+bucket (R's power of two): a new regime of traffic gets its own answer. Once the measured rates
+decide (below), a probe drafts until ``MIN_MEASURED`` of its own verify steps are measured and
+answers with their rate alone (``_probing``).
 Where decisions are made: every rank of a tensor-parallel group runs its own controller, and
 the controllers stay identical by construction (``ranks.py``): they read time only from the
 scheduler's clock stamp of each step (``SchedulerOutput.ddtree_clock``, broadcast to every
@@ -95,12 +97,19 @@ class MeasuredRate:
     seconds: float = 0.0
     tokens: float = 0.0
     steps: int = 0
+    fresh: int = 0  # steps since the average last started afresh (:meth:`restart`)
 
     def add(self, seconds: float, tokens: int) -> None:
         self.steps += 1
-        weight = max(1.0 / self.steps, MEASURED_EMA)
+        self.fresh += 1
+        weight = max(1.0 / self.fresh, MEASURED_EMA)
         self.seconds += weight * (seconds - self.seconds)
         self.tokens += weight * (tokens - self.tokens)
+
+    def restart(self) -> None:
+        """Start the average afresh: the next step replaces it, then a plain mean again (the
+        count of steps measured so far stays)."""
+        self.fresh = 0
 
     def tokens_per_s(self) -> float:
         return self.tokens / max(self.seconds, 1e-9)
@@ -139,6 +148,7 @@ class BudgetController:
         self._emitted: int | None = None  # tokens the step in flight emitted (sample_tokens)
         self._measured: dict[tuple[int, bool], MeasuredRate] = {}  # (bucket, drafting) -> rate
         self._remeasure_at: dict[int, int] = {}  # batch bucket -> step to re-measure plain
+        self._probe_started: dict[int, int] = {}  # batch bucket -> the pause its probe ended
         self._drafting_now = True
         # the scheduler's mean grammar seconds per structured-output node (grammar.GrammarTime,
         # with each step's schedule): auto counts it in the step time of the trees it sizes
@@ -153,8 +163,9 @@ class BudgetController:
         return (self.step, self._drafting_now, self.on_scale, self.off_scale, self.grammar_node_s,
                 sorted(self._pause_until.items()), sorted(self._pause.items()),
                 sorted(self._no_streak.items()), sorted(self._draft_rate.items()),
-                sorted(self._remeasure_at.items()),
-                sorted((k, (r.seconds, r.tokens, r.steps)) for k, r in self._measured.items()))
+                sorted(self._remeasure_at.items()), sorted(self._probe_started.items()),
+                sorted((k, (r.seconds, r.tokens, r.steps, r.fresh))
+                       for k, r in self._measured.items()))
 
     # --- before the drafter runs ---------------------------------------------------------
 
@@ -242,6 +253,9 @@ class BudgetController:
             stats.budgets[0] = stats.budgets.get(0, 0) + len(num_nodes)
         if self.name == "auto" and self._drafting_now:
             bucket = self._bucket(len(num_nodes))
+            if self._probing(bucket):
+                self.step += 1
+                return self._maybe_log()
             paid = (not budgeted or any(budgeted)) and self._measured_pays(bucket)
             rate = self._draft_rate.get(bucket, 0.5)
             rate = self._draft_rate[bucket] = rate + ANSWER_EMA * (float(paid) - rate)
@@ -259,6 +273,21 @@ class BudgetController:
                 self._explore_plain(bucket)
         self.step += 1
         return self._maybe_log()
+
+    def _probing(self, bucket: int) -> bool:
+        """Whether this drafting step of a probe after a pause defers its answer: once both
+        kinds are measured, a probe drafts until its own ``MIN_MEASURED`` verify steps are
+        measured (the drafting average starts afresh at the probe's first step), so that its
+        answer is about the drafter now. A probe of one step would move the running average by
+        ``MEASURED_EMA`` only: a drafter that became faster would stay paused for ~1500
+        steps of doubling pauses (a new prompt at one request, a drafter that warmed up)."""
+        drafting = self._measured.get((bucket, True))
+        if bucket not in self._pause or not self._measured_both(bucket):
+            return False
+        if self._probe_started.get(bucket) != self._pause_until[bucket]:
+            self._probe_started[bucket] = self._pause_until[bucket]  # this probe's first step
+            drafting.restart()
+        return drafting.fresh < MIN_MEASURED
 
     def _measured_both(self, bucket: int) -> bool:
         """Whether this bucket has measured ``MIN_MEASURED`` drafting and plain steps."""
