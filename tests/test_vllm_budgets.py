@@ -290,6 +290,25 @@ def test_a_prompt_that_arrives_in_a_cold_pause_keeps_its_drafter_context(synthet
     close(llm)
 
 
+def test_each_cost_point_is_the_fastest_of_its_runs_taking_turns(monkeypatch):
+    """A slow spell raises every point it overlaps a little, never one point against its
+    neighbours: per point, the fastest of REPEATS runs after a warm-up, the points in turns."""
+    clock, calls = [0.0], []
+    monkeypatch.setattr(costs.time, "perf_counter", lambda: clock[0])
+
+    def run(point: int, seconds: float):
+        def fn():
+            calls.append(point)
+            # runs 3 to 9 (a slow spell, all points alike) take 10x longer
+            clock[0] += seconds * (10 if 3 <= len(calls) <= 9 else 1)
+        return fn
+
+    best = costs._fastest_seconds([run(0, 1.0), run(1, 2.0)], lambda: None)
+    assert best == [1.0, 2.0]
+    assert calls == [0, 1] + [0, 1] * costs.REPEATS  # warm-up, then in turns
+    assert costs.REPEATS >= 5
+
+
 def test_a_failed_cost_measurement_stops_the_engine_and_names_the_fix(monkeypatch):
     """Auto cannot run without its step cost model: the engine does not start, and the error
     says how to run without it."""

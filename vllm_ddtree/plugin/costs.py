@@ -11,9 +11,14 @@ in ``patches.py``; it takes a few seconds and fits whatever device runs it:
   pass over R * (L + 1) query tokens (with the context K/V write), the lm_head over the R * L
   drafted positions, and the tree build with auto's budget function.
 
-Each point is the median of 3 timed runs after one warm-up run, with the device synchronised
-around each run (start-up only: serving never synchronises for this). The random state is
-restored afterwards, so seeded generation is unaffected.
+Each point is the fastest of ``REPEATS`` timed runs after one warm-up run, the points of a
+curve taking turns run by run, with the device synchronised around each run (start-up only:
+serving never synchronises for this). Interference (another process, a page fault, a slow
+spell of a shared CPU) only ever adds time, so the fastest run is the cost; taking turns keeps
+a slow spell from raising one point against its neighbours. The medians of 3 runs in a row
+that this replaced put the CPU's 16-token step anywhere from 0.01 to 1.7 ms above its
+8-token step from one start to the next, and so auto's trees at one request anywhere from 7
+to 16 nodes. The random state is restored afterwards, so seeded generation is unaffected.
 
 Under tensor parallelism every rank measures (the forwards run their collectives on every
 rank), then every point becomes the slowest rank's time (:func:`shared_cost_model`): all ranks
@@ -24,7 +29,6 @@ rank whose measurement failed stops every rank with the same error (no rank is l
 from __future__ import annotations
 
 import contextlib
-import statistics
 import time
 
 import torch
@@ -34,7 +38,7 @@ from vllm_ddtree.plugin.options import DDTreeConfigError
 from vllm_ddtree.plugin.ranks import check_same, max_over_ranks
 from vllm_ddtree.tree import build_tree
 
-REPEATS = 3
+REPEATS = 7
 
 
 def _grid(top: int) -> list[int]:
@@ -43,16 +47,20 @@ def _grid(top: int) -> list[int]:
     return points + [max(top, 1)]
 
 
-def _median_seconds(fn, sync) -> float:
-    fn()  # warm-up: allocations, first-call paths
-    times = []
+def _fastest_seconds(fns: list, sync) -> list[float]:
+    """Per function, the fastest of ``REPEATS`` timed runs after one warm-up run each, the
+    functions taking turns run by run."""
+    for fn in fns:
+        fn()  # warm-up: allocations, first-call paths
+    best = [float("inf")] * len(fns)
     for _ in range(REPEATS):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for i, fn in enumerate(fns):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
 
 
 @contextlib.contextmanager
@@ -127,13 +135,14 @@ def measure_costs(runner) -> CostModel:
     verify_grid, draft_grid = _grids(runner)
     with torch.inference_mode(), torch.random.fork_rng(devices=[device] if cuda else []):
         with _without_drafter_dummy(drafter):
-            verify_points = [(n, _median_seconds(lambda: verify(n), sync)) for n in verify_grid]
-        draft_points = [(r, _median_seconds(lambda: draft(r), sync)) for r in draft_grid]
+            verify_seconds = _fastest_seconds(
+                [lambda n=n: verify(n) for n in verify_grid], sync)
+        draft_seconds = _fastest_seconds([lambda r=r: draft(r) for r in draft_grid], sync)
     return CostModel(
-        verify_tokens=tuple(n for n, _ in verify_points),
-        verify_seconds=_monotone(t for _, t in verify_points),
-        draft_requests=tuple(r for r, _ in draft_points),
-        draft_seconds=_monotone(t for _, t in draft_points),
+        verify_tokens=tuple(verify_grid),
+        verify_seconds=_monotone(verify_seconds),
+        draft_requests=tuple(draft_grid),
+        draft_seconds=_monotone(draft_seconds),
     )
 
 
