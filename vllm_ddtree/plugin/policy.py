@@ -89,6 +89,14 @@ WARM_UP = 32  # steps before a probe from which a paused drafter keeps its conte
 LOG_INTERVAL_S = 10.0  # the periodic log line (vLLM's stats interval)
 
 
+def has_structured_outputs(request) -> bool:
+    """Whether a request on the worker (vLLM's ``CachedRequestState``) samples under a grammar:
+    it sends at most :attr:`BudgetController.structured_limit` nodes (``TreeState.clip_drafts``),
+    and auto prices each of them with the scheduler's grammar time."""
+    params = getattr(request, "sampling_params", None)
+    return getattr(params, "structured_outputs", None) is not None
+
+
 @dataclass
 class MeasuredRate:
     """Running averages of one kind of step's wall time and emitted tokens (a plain mean over
@@ -169,6 +177,14 @@ class BudgetController:
 
     # --- before the drafter runs ---------------------------------------------------------
 
+    @property
+    def structured_limit(self) -> int:
+        """The most nodes a structured-output request sends, L: the scheduler's grammar work is
+        host work per node (benchmarks/structured_cost.py: whole trees cost more than they
+        accept), so it gets the best tree of L nodes, the grammar cost of a chain of L drafts,
+        and by DDTree's optimality at least the chain's expected acceptance."""
+        return self.depth
+
     def set_cost_model(self, cost: CostModel) -> None:
         cost.upload(self.device)
         self.cost = cost
@@ -229,8 +245,9 @@ class BudgetController:
 
             node_cost = to_device([self.grammar_node_s * s for s in structured], torch.float64,
                                   self.device)
-            limit = to_device([self.depth if s else self.max_budget for s in structured],
-                              torch.int64, self.device)
+            limits = (self.structured_limit, self.max_budget)
+            limit = to_device([limits[0] if s else limits[1] for s in structured], torch.int64,
+                              self.device)
         return budget_function(self.cost, self.calibration, sampled, complete,
                                on_scale=self.on_scale, off_scale=self.off_scale,
                                versus_plain=versus_plain, node_cost=node_cost, limit=limit)

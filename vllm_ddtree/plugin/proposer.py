@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
+from vllm_ddtree.plugin.policy import has_structured_outputs
 from vllm_ddtree.plugin.sampler import sampling_batch
 from vllm_ddtree.plugin.state import TreeState, chain_parents
 from vllm_ddtree.sampling import pack_sparse_law, sample_from_probs, top_k_draft_law
@@ -63,7 +64,7 @@ class DDTreeProposer(DFlashProposer):
             sampling = sampling_batch(kwargs["sampling_metadata"])
             sampled = None if sampling is None else ~sampling.is_greedy  # [R] bool, T > 0
             requests = self._runner.requests
-            structured = [requests[req_id].sampling_params.structured_outputs is not None
+            structured = [has_structured_outputs(requests[req_id])
                           for req_id in self._runner.input_batch.req_ids[:num_reqs]]
         complete = None
         if state.ever_cold:  # requests with a hole in their drafter context draft nothing

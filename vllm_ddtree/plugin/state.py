@@ -26,7 +26,7 @@ import torch
 from vllm_ddtree.kernels.native import cpu_ops
 from vllm_ddtree.kernels.verify_steps import finish_verify_triton, triton_stages
 from vllm_ddtree.plugin.options import DDTreeOptions
-from vllm_ddtree.plugin.policy import BudgetController
+from vllm_ddtree.plugin.policy import BudgetController, has_structured_outputs
 from vllm_ddtree.sampling import cached_arange
 from vllm_ddtree.tree import PADDING_TOKEN_ID, DraftTree, _ancestor_mask, pack_mask
 from vllm_ddtree.walk import TreeVerdict
@@ -470,18 +470,13 @@ class TreeState:
                 keep = [i for i, d in enumerate(node_depths) if 0 < d <= useful]
                 ids[:] = [ids[i] for i in keep]
                 kept[req_id] = keep
-            structured = getattr(getattr(request, "sampling_params", None),
-                                 "structured_outputs", None) is not None
-            if structured:
-                # at most L nodes, the tree's first (a subtree): the scheduler's grammar work
-                # is host work per node (benchmarks/structured_cost.py: whole trees cost more
-                # than they accept), so a structured request gets the best tree of L nodes,
-                # the grammar cost of a chain of L drafts, and by DDTree's optimality at
-                # least the chain's expected acceptance
-                if len(ids) > self.depth:  # the proposal keeps them alone (then padding)
-                    keep = (keep or list(range(len(ids))))[: self.depth]
+            if has_structured_outputs(request):
+                # the tree's first nodes (a subtree), at most the policy's structured_limit
+                limit = self.budgets.structured_limit
+                if len(ids) > limit:  # the proposal keeps them alone (then padding)
+                    keep = (keep or list(range(len(ids))))[:limit]
                     kept[req_id] = keep
-                    del ids[self.depth:]
+                    del ids[limit:]
                 parents = nodes[row, 0, :real].tolist()
                 if keep is not None:
                     parents = renumbered_parents(parents, keep)
