@@ -65,6 +65,23 @@ def _unmatched_rows(worker) -> int:
     return -1 if state is None else state.num_unmatched_rows
 
 
+def run_jobs(llm, max_tokens: int, short: bool = False, log=lambda line: None) -> dict:
+    """Every job of :func:`jobs` on ``llm``: the output token ids per job, and (ddtree) per
+    rank the rows verified as chains because their drafts were not a proposal."""
+    from vllm import SamplingParams
+
+    result: dict = {"outputs": {}}
+    for name, indices, params in jobs(max_tokens, short):
+        outs = llm.generate([PROMPTS[i] for i in indices],
+                            [SamplingParams(**params(i)) for i in indices], use_tqdm=False)
+        result["outputs"][name] = {str(i): list(o.outputs[0].token_ids)
+                                   for i, o in zip(indices, outs)}
+        log(f"job {name} done")
+    if llm.llm_engine.vllm_config.speculative_config is not None:
+        result["unmatched_rows_per_rank"] = llm.collective_rpc(_unmatched_rows)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -77,22 +94,13 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(args.tp))))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    from vllm import SamplingParams
     from vllm_utils import close, make_llm
 
     spec = json.loads(args.spec) if args.spec else None
     llm = make_llm(spec, tensor_parallel_size=args.tp, max_num_seqs=8)
     print("engine ready", flush=True)
-    result = {"outputs": {}}
     try:
-        for name, indices, params in jobs(args.max_tokens, args.short):
-            outs = llm.generate([PROMPTS[i] for i in indices],
-                                [SamplingParams(**params(i)) for i in indices], use_tqdm=False)
-            result["outputs"][name] = {str(i): list(o.outputs[0].token_ids)
-                                       for i, o in zip(indices, outs)}
-            print(f"job {name} done", flush=True)
-        if spec is not None:
-            result["unmatched_rows_per_rank"] = llm.collective_rpc(_unmatched_rows)
+        result = run_jobs(llm, args.max_tokens, args.short, lambda line: print(line, flush=True))
     finally:
         close(llm)
     with open(args.out, "w") as f:

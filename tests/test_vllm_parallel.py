@@ -2,18 +2,18 @@
 
 Every rank of a tensor-parallel group must make the same decisions (vllm_ddtree/plugin/ranks.py):
 a rank that planned a different step computed a different attention mask (wrong text) or waited
-in a collective the other rank never entered (a hang). Each engine here runs in its own process
-(tests/parallel_run.py) under a watchdog: a run that prints nothing for ``WATCHDOG_S`` seconds
-is killed and the test fails as a hang, well before two minutes; vLLM's own step timeout is set
-below it as well.
+in a collective the other rank never entered (a hang). Each parallel engine here runs in its
+own process (tests/parallel_run.py) under a watchdog: a run that prints nothing for
+``WATCHDOG_S`` seconds is killed and the test fails as a hang, well before two minutes; vLLM's
+own step timeout is set below it as well.
 
-Oracles: greedy decoding without speculation at TP = 1 (8 prompts x 128 tokens, token for
-token; the static policy's TP = 2 run generates 64 tokens, compared with the first 64, also
-with request features: penalties, bad words, min_tokens, allowed ids, logit_bias), and for
-seeded requests at T = 0.8 the same seeds on another engine (ddtree at TP = 1 with the default
-policy): a seeded request's text must not depend on its company, on the policy's choices, on
-its length or on the ranks. Rows verified as chains because their drafts were not a
-proposal must be zero on every rank.
+Oracles (engines in this process, TP = 1): greedy decoding without speculation (8 prompts x 128
+tokens, token for token; the static policy's TP = 2 run generates 64 tokens, compared with the
+first 64, also with request features: penalties, bad words, min_tokens, allowed ids,
+logit_bias), and for seeded requests at T = 0.8 the same seeds on another engine (ddtree with
+the default policy): a seeded request's text must not depend on its company, on the policy's
+choices, on its length or on the ranks. Rows verified as chains because their drafts were not
+a proposal must be zero on every rank.
 """
 
 import json
@@ -30,7 +30,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from parallel_run import PROMPTS, SEEDED  # noqa: E402
+from parallel_run import PROMPTS, SEEDED, run_jobs  # noqa: E402
 from test_vllm_server import demo  # noqa: E402
 from vllm_utils import DRAFTER, PAIR  # noqa: E402
 
@@ -82,17 +82,29 @@ def run_engine(tmp_path, tp: int, spec: dict | None, short: bool = False,
         return json.load(f)
 
 
+def run_here(spec: dict | None) -> dict:
+    """The short job list on an engine in this process (TP = 1: nothing to hang on; saves a
+    process's start, ~25 s, per oracle)."""
+    from vllm_utils import close, make_llm
+
+    llm = make_llm(spec, max_num_seqs=8)
+    try:
+        return run_jobs(llm, MAX_TOKENS, short=True)
+    finally:
+        close(llm)
+
+
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory):
+def plain():
     """Greedy decoding without speculation at TP = 1: the greedy oracle."""
-    return run_engine(tmp_path_factory.mktemp("plain"), 1, None, short=True)["outputs"]
+    return run_here(None)["outputs"]
 
 
 @pytest.fixture(scope="module")
-def seeded(tmp_path_factory):
+def seeded():
     """ddtree (default policy) at TP = 1, the short job list: its seeded texts, checked there,
     are the seeded oracle of the other runs."""
-    result = run_engine(tmp_path_factory.mktemp("tp1"), 1, ddtree(), short=True)
+    result = run_here(ddtree())
     check_run(result, None)
     return {i: result["outputs"]["mixed"][str(i)] for i in SEEDED_PROMPTS}
 
