@@ -16,6 +16,9 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/baddbmm.h>
+#include <ATen/ops/bmm.h>
+#include <ATen/ops/softmax.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -703,6 +706,13 @@ inline float round_bf16(float x) {
   return y;
 }
 
+// The node rows' attention, batched over (request, KV head): K and V of the positions any row
+// of the request sees are gathered in float32 from the paged cache through the layout's
+// offsets ([n * Hkv, U, D], zero past the request's last seen position), the node rows'
+// queries in float32 ([n * Hkv, b * group, D]: row i, head g * group + j at i * group + j;
+// zero for padding rows) and the mask as an additive bias (0 or -inf; 0 on padding rows);
+// then one GEMM with the bias, a softmax and one GEMM (vectorised ATen kernels) for all
+// requests. A scalar loop per (request, head, row) took 4x longer (its exp alone).
 template <typename T>
 void tree_attention_impl(Tensor& output, const Tensor& query, const Tensor& flat,
                          const int64_t* offsets, int64_t slot_stride, int64_t block_size,
@@ -710,76 +720,93 @@ void tree_attention_impl(Tensor& output, const Tensor& query, const Tensor& flat
                          const Tensor& mask, float scale, bool bf16_probs) {
   const int64_t n = rows.size(0), b = rows.size(1), s = slots.size(1);
   const int64_t H = query.size(1), D = query.size(2), Hkv = slot_stride / (2 * D);
-  const int64_t group = H / Hkv;
+  const int64_t group = H / Hkv, Q = b * group;
+  if (n == 0 || b == 0) return;
+  const bool* ma = mask.data_ptr<bool>();
+  std::vector<int64_t> used(n, 0);  // positions any row of request r sees
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t i = 0; i < b; ++i) {
+      for (int64_t pos = s - 1; pos >= used[r]; --pos) {
+        if (ma[(r * b + i) * s + pos]) {
+          used[r] = pos + 1;
+          break;
+        }
+      }
+    }
+  }
+  const int64_t U = std::max<int64_t>(1, *std::max_element(used.begin(), used.end()));
+  const auto f32 = query.options().dtype(at::kFloat);
+  Tensor keys = at::empty({n * Hkv, U, D}, f32), values = at::empty({n * Hkv, U, D}, f32);
+  Tensor queries = at::empty({n * Hkv, Q, D}, f32), bias = at::empty({n * Hkv, Q, U}, f32);
+  float* kp = keys.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  float* qp = queries.data_ptr<float>();
+  float* bp = bias.data_ptr<float>();
   const T* q = query.data_ptr<T>();
-  T* out = output.data_ptr<T>();
   const T* cache = flat.data_ptr<T>();
   const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
-  const int64_t os0 = output.stride(0), os1 = output.stride(1);
   const int64_t* ro = rows.data_ptr<int64_t>();
   const bool* va = valid.data_ptr<bool>();
   const int64_t* sl = slots.data_ptr<int64_t>();
-  const bool* ma = mask.data_ptr<bool>();
-  // one task per (request, KV head): its rows' outputs are disjoint from every other task's
+  const float hidden = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, n * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kt(D * s), vv(s * D), sc(s), qf(D), acc(D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / Hkv, g = task % Hkv;
-      int64_t used = 0;  // positions any row of this request sees
-      for (int64_t i = 0; i < b; ++i) {
-        for (int64_t pos = s - 1; pos >= used; --pos) {
-          if (ma[(r * b + i) * s + pos]) {
-            used = pos + 1;
-            break;
-          }
-        }
-      }
-      for (int64_t pos = 0; pos < used; ++pos) {  // K transposed [D, used], V [used, D]
+      float* kt = kp + task * U * D;
+      float* vt = vp + task * U * D;
+      for (int64_t pos = 0; pos < used[r]; ++pos) {
         const int64_t slot = sl[r * s + pos];
         const int64_t* off = offsets + (slot % block_size) * slot_stride;
         const T* base = cache + slot * slot_stride;
         for (int64_t d = 0; d < D; ++d) {
-          kt[d * used + pos] = to_float(base[off[g * D + d]]);
-          vv[pos * D + d] = to_float(base[off[(Hkv + g) * D + d]]);
+          kt[pos * D + d] = to_float(base[off[g * D + d]]);
+          vt[pos * D + d] = to_float(base[off[(Hkv + g) * D + d]]);
         }
       }
+      std::fill(kt + used[r] * D, kt + U * D, 0.0f);  // weight 0, but never 0 * garbage
+      std::fill(vt + used[r] * D, vt + U * D, 0.0f);
       for (int64_t i = 0; i < b; ++i) {
-        if (!va[r * b + i]) continue;
+        const bool row_valid = va[r * b + i];
         const bool* row_mask = ma + (r * b + i) * s;
-        const int64_t row = ro[r * b + i];
-        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-          const T* qh = q + row * qs0 + h * qs1;
-          for (int64_t d = 0; d < D; ++d) qf[d] = to_float(qh[d]);
-          std::fill(sc.begin(), sc.begin() + used, 0.0f);
-          for (int64_t d = 0; d < D; ++d) {
-            const float qd = qf[d];
-            const float* kd = kt.data() + d * used;
-            for (int64_t pos = 0; pos < used; ++pos) sc[pos] += qd * kd[pos];
+        for (int64_t j = 0; j < group; ++j) {
+          float* qt = qp + (task * Q + i * group + j) * D;
+          float* bt = bp + (task * Q + i * group + j) * U;
+          if (!row_valid) {
+            std::fill(qt, qt + D, 0.0f);
+            std::fill(bt, bt + U, 0.0f);
+            continue;
           }
-          float top = -std::numeric_limits<float>::infinity();
-          for (int64_t pos = 0; pos < used; ++pos) {
-            sc[pos] = row_mask[pos] ? sc[pos] * scale : -std::numeric_limits<float>::infinity();
-            top = std::max(top, sc[pos]);
-          }
-          float total = 0.0f;
-          for (int64_t pos = 0; pos < used; ++pos) {
-            const float p = row_mask[pos] ? std::exp(sc[pos] - top) : 0.0f;
-            total += p;
-            sc[pos] = bf16_probs ? round_bf16(p) : p;
-          }
-          std::fill(acc.begin(), acc.end(), 0.0f);
-          for (int64_t pos = 0; pos < used; ++pos) {
-            const float p = sc[pos];
-            if (p == 0.0f) continue;
-            const float* vp = vv.data() + pos * D;
-            for (int64_t d = 0; d < D; ++d) acc[d] += p * vp[d];
-          }
-          T* oh = out + row * os0 + h * os1;
-          for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<T>(acc[d] / total);
+          const T* qh = q + ro[r * b + i] * qs0 + (g * group + j) * qs1;
+          for (int64_t d = 0; d < D; ++d) qt[d] = to_float(qh[d]);
+          for (int64_t pos = 0; pos < U; ++pos) bt[pos] = row_mask[pos] ? 0.0f : hidden;
         }
       }
     }
   });
+  Tensor scores = at::baddbmm(bias, queries, keys.transpose(1, 2), 1.0, scale);
+  Tensor acc;
+  if (bf16_probs) {  // vLLM's amx kernel: unnormalised probabilities rounded to bf16
+    scores.sub_(std::get<0>(scores.max(-1, true))).exp_();
+    Tensor total = scores.sum(-1, true);
+    acc = at::bmm(scores.to(at::kBFloat16).to(at::kFloat), values).div_(total);
+  } else {
+    acc = at::bmm(at::softmax(scores, -1), values);
+  }
+  const float* ap = acc.data_ptr<float>();
+  T* out = output.data_ptr<T>();
+  const int64_t os0 = output.stride(0), os1 = output.stride(1);
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t g = 0; g < Hkv; ++g) {
+      for (int64_t i = 0; i < b; ++i) {
+        if (!va[r * b + i]) continue;
+        for (int64_t j = 0; j < group; ++j) {
+          const float* src = ap + ((r * Hkv + g) * Q + i * group + j) * D;
+          T* oh = out + ro[r * b + i] * os0 + (g * group + j) * os1;
+          for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<T>(src[d]);
+        }
+      }
+    }
+  }
 }
 
 // The node rows of a verify step on vLLM's CPU backend (DDTreeCPUImpl): for each real node
