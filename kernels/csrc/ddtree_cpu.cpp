@@ -712,7 +712,8 @@ inline float round_bf16(float x) {
 // queries in float32 ([n * Hkv, b * group, D]: row i, head g * group + j at i * group + j;
 // zero for padding rows) and the mask as an additive bias (0 or -inf; 0 on padding rows);
 // then one GEMM with the bias, a softmax and one GEMM (vectorised ATen kernels) for all
-// requests. A scalar loop per (request, head, row) took 4x longer (its exp alone).
+// requests (a scalar loop per (request, K/V head, row) took 2-3x longer:
+// benchmarks/cpu_tree_attention.py).
 template <typename T>
 void tree_attention_impl(Tensor& output, const Tensor& query, const Tensor& flat,
                          const int64_t* offsets, int64_t slot_stride, int64_t block_size,
