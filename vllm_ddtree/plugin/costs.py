@@ -15,10 +15,11 @@ Each point is the fastest of ``REPEATS`` timed runs after one warm-up run, the p
 curve taking turns run by run, with the device synchronised around each run (start-up only:
 serving never synchronises for this). Interference (another process, a page fault, a slow
 spell of a shared CPU) only ever adds time, so the fastest run is the cost; taking turns keeps
-a slow spell from raising one point against its neighbours. The medians of 3 runs in a row
-that this replaced put the CPU's 16-token step anywhere from 0.01 to 1.7 ms above its
-8-token step from one start to the next, and so auto's trees at one request anywhere from 7
-to 16 nodes. The random state is restored afterwards, so seeded generation is unaffected.
+a slow spell from raising one point against its neighbours (the medians of 3 runs in a row
+that this replaced moved the CPU curve's bends from one start of a lone engine to the next).
+Starts of several engines on one 2-core machine still draw different bends, and one
+request's tree stops at a bend (docs/measurements.md). The random state is restored
+afterwards, so seeded generation is unaffected.
 
 Under tensor parallelism every rank measures (the forwards run their collectives on every
 rank), then every point becomes the slowest rank's time (:func:`shared_cost_model`): all ranks
