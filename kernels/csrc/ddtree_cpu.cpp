@@ -695,17 +695,6 @@ inline float to_float(T x) {
   return static_cast<float>(x);
 }
 
-// float -> bfloat16 -> float, round to nearest even (as torch's .to(torch.bfloat16))
-inline float round_bf16(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  if ((bits & 0x7f800000u) != 0x7f800000u) bits += 0x7fffu + ((bits >> 16) & 1u);
-  bits &= 0xffff0000u;
-  float y;
-  std::memcpy(&y, &bits, 4);
-  return y;
-}
-
 // The node rows' attention, batched over (request, KV head): K and V of the positions any row
 // of the request sees are gathered in float32 from the paged cache through the layout's
 // offsets ([n * Hkv, U, D], zero past the request's last seen position), the node rows'
