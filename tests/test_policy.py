@@ -168,19 +168,20 @@ def alternating_runs(ran: list[bool]) -> list[tuple[bool, int]]:
     """(value, length) of every run of equal values."""
     runs: list[tuple[bool, int]] = []
     for r in ran:
-        runs[-1:] = [(r, runs[-1][1] + 1)] if runs and runs[-1][0] == r else runs[-1:] + [(r, 1)]
+        if runs and runs[-1][0] == r:
+            runs[-1] = (r, runs[-1][1] + 1)
+        else:
+            runs.append((r, 1))
     return runs
 
 
 def paused_runs(ran: list[bool]) -> list[tuple[int, int]]:
     """(first step, length) of every run of steps in which the drafter did not run."""
-    runs = []
-    for i, r in enumerate(ran):
-        if not r:
-            if runs and runs[-1][0] + runs[-1][1] == i:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-            else:
-                runs.append((i, 1))
+    runs, start = [], 0
+    for value, length in alternating_runs(ran):
+        if not value:
+            runs.append((start, length))
+        start += length
     return runs
 
 
