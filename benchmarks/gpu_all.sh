@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Everything of the kernels that needs a GPU, in ONE device call (well under 10 minutes):
-#   1. tests/test_kernels_*.py natively on CUDA (fp32 at 1e-5, fp16, bf16 at 2e-2),
-#   2. benchmarks/kernels.py (tree_attention vs SDPA + dense mask vs FlexAttention vs causal,
+# Everything of the kernels and stages that needs a GPU, in ONE device call (under 10 minutes):
+#   1. tests/test_kernels_*.py and tests/test_verify_steps.py natively on CUDA (fp32 at 1e-5,
+#      fp16, bf16 at 2e-2; the Triton tree build, walk and finish_verify against their torch path),
+#   2. benchmarks/cuda_stages.py (the verify step's stages on CUDA: equal to the CPU, launches,
+#      host syncs, CUDA graph capture) -> benchmarks/results/cuda_stages_<device>.json,
+#   3. benchmarks/kernels.py (tree_attention vs SDPA + dense mask vs FlexAttention vs causal,
 #      compact_kv vs a per-layer loop) -> benchmarks/results/kernels_<device>.json.
 # Runs on the lent GPU machine (torch + Triton, no vLLM, project not installed): the package
 # is reached through a symlink shim, so nothing is pip-installed. Logs and JSON are copied to
@@ -22,11 +25,15 @@ nvidia-smi -L || true
 "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
 status=0
-timeout 150 "$py" -m pytest -q -ra --noconftest -p no:cacheprovider \
-    tests/test_kernels_attention.py tests/test_kernels_compact.py 2>&1 | tee "$logs/gpu_kernel_tests.log"
+timeout 200 "$py" -m pytest -q -ra --noconftest -p no:cacheprovider \
+    tests/test_kernels_attention.py tests/test_kernels_compact.py tests/test_verify_steps.py \
+    2>&1 | tee "$logs/gpu_kernel_tests.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+timeout 120 "$py" benchmarks/cuda_stages.py 2>&1 | tee "$logs/gpu_cuda_stages.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 timeout 420 "$py" benchmarks/kernels.py "$@" 2>&1 | tee "$logs/gpu_kernel_bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-if [ -n "${OUT:-}" ]; then cp benchmarks/results/kernels_*.json "$OUT"/ 2>/dev/null || true; fi
+if [ -n "${OUT:-}" ]; then cp benchmarks/results/kernels_*.json benchmarks/results/cuda_stages_*.json "$OUT"/ 2>/dev/null || true; fi
 exit $status
