@@ -137,31 +137,71 @@ def test_a_drafter_slower_than_plain_decoding_is_paused_whatever_the_model_says(
     """Drafting steps take 16 ms for 2.5 tokens (6.4 ms a token), plain ones 5 ms for 1: the
     model says draft, the measurements say no. The bucket first explores plain decoding
     (EXPLORE_AFTER drafting steps, then a pause of FIRST_PAUSE), then the measured rates pause
-    it: after that, the drafter runs only in probes."""
+    it: after that, the drafter runs only in probes, and the probes lose at most PROBE_LOSS of
+    the time (drafting emits 1 - 0.219 of plain decoding's tokens per second)."""
     assert MIN_MEASURED <= FIRST_PAUSE - 2  # a pause measures enough plain steps
     engine = Engine()
-    ran = [engine.step(0.016, 2.5, 0.005) for _ in range(400)]
+    ran = [engine.step(0.016, 2.5, 0.005) for _ in range(1200)]
     first_off = ran.index(False)
     # the first drafting step is a transition (no verify yet), then EXPLORE_AFTER measured
     # ones; a step's measurement lands when the next step starts
     assert first_off == EXPLORE_AFTER + 2
     assert ran[first_off:first_off + FIRST_PAUSE] == [False] * FIRST_PAUSE
-    # PAUSE_AFTER "no"s with a falling rate of "draft" answers pause it, then probes after
-    # doubling pauses (8, 16, 32, ... steps); a probe drafts one step that verifies nothing,
-    # then until MIN_MEASURED of its own verify steps are measured, and answers "no" at the
-    # last of them (its drafts are verified in the pause's first step)
+    # PAUSE_AFTER "no"s with a falling rate of "draft" answers pause it; then probes: a probe
+    # drafts one step that verifies nothing, then until MIN_MEASURED of its own verify steps
+    # are measured, and answers "no" at the last of them (its drafts are verified in the
+    # pause's first step)
     runs = alternating_runs(ran[first_off + FIRST_PAUSE:])
-    assert runs[0][0] and runs[0][1] <= 5 and runs[1] == (False, FIRST_PAUSE)
-    probe = MIN_MEASURED + 2
-    for k, i in enumerate(range(2, len(runs) - 1, 2)):
-        assert runs[i] == (True, probe)
-        assert runs[i + 1] == (False, min(FIRST_PAUSE << (k + 1), MAX_PAUSE)) or i + 2 == len(runs)
-    assert len(runs) >= 12  # up to the longest pause
+    assert runs[0][0] and runs[0][1] <= 5
+    loss = 1 - (2.5 / 0.016) / (1 / 0.005)
+    pauses = [length for value, length in runs[1:-1] if not value]
+    probes = [length for value, length in runs[1:-1] if value]
+    assert probes == [policy.PROBE_STEPS] * len(probes) and len(probes) >= 4
+    for pause in pauses:  # the time a probe loses over its cycle (pause, then the probe)
+        probe_s = policy.PROBE_STEPS * 0.016
+        assert probe_s * loss / (pause * 0.005 + probe_s) <= policy.PROBE_LOSS
+    # the first pause is as short as that allows (the doubling one, 8, would lose ~12 %), then
+    # the pauses double up to the longest
+    assert pauses[0] < 1.1 * policy.PROBE_STEPS * 0.016 / 0.005 * (loss / policy.PROBE_LOSS - 1)
+    assert pauses[1:] == [MAX_PAUSE] * (len(pauses) - 1)
     summary = engine.ctl.summary()
     measured = summary["measured_tokens_per_s"]
     # probes answered "no" count with the model's 1 ms drafter added
     assert 2.5 / 0.017 <= measured["1-1 requests, drafting"] <= 2.5 / 0.016
     assert measured["1-1 requests, plain"] == pytest.approx(1 / 0.005, rel=0.01)
+
+
+def test_a_drafter_that_loses_little_keeps_the_doubling_pauses():
+    """Drafting loses 4.5 % (1.05 tokens in 5.5 ms against 1 in 5 ms): a probe after the
+    doubling pause of 8 steps loses ~2 % already; the pauses double from there (8, 16, ...),
+    so a drafter close to break-even is asked again soon."""
+    engine = Engine()
+    ran = [engine.step(0.0055, 1.05, 0.005) for _ in range(1200)]
+    runs = alternating_runs(ran[ran.index(False) + FIRST_PAUSE:])
+    pauses = [length for value, length in runs[1:-1] if not value]
+    assert pauses[0] <= 2 * FIRST_PAUSE
+    assert all(b == min(2 * a, MAX_PAUSE) for a, b in zip(pauses, pauses[1:])), pauses
+
+
+def test_pause_length_is_the_shortest_that_keeps_the_probes_loss_under_probe_loss():
+    """``_pause_length`` against the loss share computed from the rates: the probes of the
+    pause's cycle lose at most PROBE_LOSS of its time, and one step less would lose more
+    (unless the doubling pause or MAX_PAUSE bounds it)."""
+    for on_s, on_tokens, off_s in [(0.016, 2.5, 0.005), (0.030, 40, 0.020), (0.012, 1.2, 0.010),
+                                   (0.011, 2.0, 0.005), (0.020, 1.0, 0.005)]:
+        ctl = controller()
+        ctl._measured[(1, True)] = MeasuredRate(on_s, on_tokens, MIN_MEASURED, MIN_MEASURED)
+        ctl._measured[(1, False)] = MeasuredRate(off_s, 1.0, MIN_MEASURED, MIN_MEASURED)
+        pause = ctl._pause_length(1)
+        loss = 1 - (on_tokens / on_s) / (1 / off_s)
+        probe_s = policy.PROBE_STEPS * on_s
+
+        def lost(n: int) -> float:
+            return probe_s * max(loss, 0.0) / (n * off_s + probe_s)
+
+        assert FIRST_PAUSE <= pause <= MAX_PAUSE
+        assert lost(pause) <= policy.PROBE_LOSS or pause == MAX_PAUSE
+        assert pause == FIRST_PAUSE or pause == MAX_PAUSE or lost(pause - 1) > policy.PROBE_LOSS
 
 
 def alternating_runs(ran: list[bool]) -> list[tuple[bool, int]]:
@@ -208,7 +248,9 @@ def test_a_plain_rate_measured_in_a_slow_spell_does_not_keep_the_drafter_on():
     assert paused_runs(slow) == [(EXPLORE_AFTER + 2, FIRST_PAUSE)]
     fast = [engine.step(0.010, 3, 0.002) for _ in range(REMEASURE_AFTER + 200)]
     assert sum(fast[:REMEASURE_AFTER - 100]) == REMEASURE_AFTER - 100  # the stale rate holds
-    assert sum(fast[-100:]) <= 2  # re-measured: only probes draft
+    # re-measured: drafting loses 40 %, the drafter pauses for MAX_PAUSE, then runs in probes
+    assert (False, MAX_PAUSE) in alternating_runs(fast)
+    assert sum(fast[-100:]) <= policy.PROBE_STEPS
     measured = engine.ctl.summary()["measured_tokens_per_s"]
     assert measured["1-1 requests, plain"] == pytest.approx(1 / 0.002, rel=0.01)
 
@@ -250,12 +292,13 @@ def test_a_drafter_that_becomes_faster_than_plain_decoding_drafts_again():
     the average by MEASURED_EMA, it took ~1500 steps of doubling pauses)."""
     engine = Engine()
     slow = [engine.step(0.016, 2.5, 0.005) for _ in range(600)]
-    assert alternating_runs(slow)[-1] == (False, 30)  # 30 steps into a pause of MAX_PAUSE
+    value, into = alternating_runs(slow)[-1]  # some steps into a pause of MAX_PAUSE
+    assert not value and alternating_runs(slow)[-3] == (False, MAX_PAUSE)
     fast = [engine.step(0.008, 3, 0.005) for _ in range(1000)]
     runs = paused_runs(fast)
     # the pause in progress ends, the probe answers "draft"; from then on only the periodic
     # plain re-measurements pause it
-    assert runs[0] == (0, MAX_PAUSE - 30), runs
+    assert runs[0] == (0, MAX_PAUSE - into), runs
     assert len(runs) >= 3 and all(length == FIRST_PAUSE for _, length in runs[1:]), runs
 
 

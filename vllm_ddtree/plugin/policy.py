@@ -29,7 +29,10 @@ generation, do not switch off a drafter that pays), and probes again after a pau
 each time the probe's answer stays the same (8 steps, then 16, ... up to 256), per batch-size
 bucket (R's power of two): a new regime of traffic gets its own answer. Once the measured rates
 decide (below), a probe drafts until ``MIN_MEASURED`` of its own verify steps are measured and
-answers with their rate alone (``_probing``).
+answers with their rate alone (``_probing``), and a pause is at least as long as keeps the
+measured loss of the probes that end it under ``PROBE_LOSS`` of the time (``_pause_length``): a
+drafter that loses a third of the throughput while it drafts (32 requests on the CPU) pauses for
+~200 steps at once, one that loses 5 % still probes after 8.
 Where decisions are made: every rank of a tensor-parallel group runs its own controller, and
 the controllers stay identical by construction (``ranks.py``): they read time only from the
 scheduler's clock stamp of each step (``SchedulerOutput.ddtree_clock``, broadcast to every
@@ -67,6 +70,7 @@ a prefill are not counted.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -83,6 +87,8 @@ ANSWER_EMA = 0.2  # weight of each answer in a bucket's running rate of "draft" 
 SCALE_EMA = 0.1  # weight of each new step-time observation in the online correction
 MEASURED_EMA = 0.1  # weight of each step in a bucket's measured drafting / plain rates
 MIN_MEASURED = 4  # steps of each kind before the measured rates can say "no"
+PROBE_STEPS = MIN_MEASURED + 2  # steps the drafter runs in a probe (one verifies nothing)
+PROBE_LOSS = 0.02  # the most of the time that probes of a measured-losing drafter may lose
 EXPLORE_AFTER = 16  # measured drafting steps after which a bucket with no plain ones pauses
 REMEASURE_AFTER = 256  # steps after which a drafting bucket measures plain decoding again
 WARM_UP = 32  # steps before a probe from which a paused drafter keeps its context again
@@ -280,7 +286,7 @@ class BudgetController:
                 streak = self._no_streak[bucket] = self._no_streak.get(bucket, 0) + 1
                 # a probe after a pause, or a streak where drafting has mostly not paid
                 if bucket in self._pause or (streak >= PAUSE_AFTER and rate < 0.5):
-                    pause = self._pause.get(bucket, FIRST_PAUSE)
+                    pause = self._pause_length(bucket)
                     self._pause_until[bucket] = self.step + 1 + pause
                     self._pause[bucket] = min(2 * pause, MAX_PAUSE)
                     self._no_streak[bucket] = 0
@@ -290,6 +296,23 @@ class BudgetController:
                 self._explore_plain(bucket)
         self.step += 1
         return self._maybe_log()
+
+    def _pause_length(self, bucket: int) -> int:
+        """The next pause of a bucket: the doubling one, or, once both rates are measured, at
+        least the pause after which a probe's loss is ``PROBE_LOSS`` of the time. A probe of
+        ``PROBE_STEPS`` drafting steps (``t_on`` each) loses the share ``loss`` of its time
+        (drafting's measured tokens per second are ``1 - loss`` of plain decoding's); over a
+        pause of ``n`` plain steps (``t_off`` each) and the probe that ends it, that is
+        ``PROBE_LOSS`` when ``n = PROBE_STEPS * t_on / t_off * (loss / PROBE_LOSS - 1)``.
+        Example: steps of 16 ms for 2.5 tokens against 5 ms for 1 (loss 0.22): 191 steps."""
+        pause = self._pause.get(bucket, FIRST_PAUSE)
+        if self._measured_both(bucket):
+            on, off = self._measured[(bucket, True)], self._measured[(bucket, False)]
+            loss = 1.0 - on.tokens_per_s() / max(off.tokens_per_s(), 1e-12)
+            if loss > PROBE_LOSS:
+                probe = PROBE_STEPS * on.seconds / max(off.seconds, 1e-12)  # in plain steps
+                pause = max(pause, math.ceil(probe * (loss / PROBE_LOSS - 1.0)))
+        return min(pause, MAX_PAUSE)
 
     def _probing(self, bucket: int) -> bool:
         """Whether this drafting step of a probe after a pause defers its answer: once both
