@@ -245,7 +245,8 @@ def plot(rows: list[dict], concurrency: list[int], path: str, title: str) -> Non
 
 
 def git_commit() -> str | None:
-    """The checkout's commit, with "+changes" if its tracked files differ from it."""
+    """The checkout's commit, with "+changes" if its tracked files differ from it (results
+    files aside: a run that rewrites an earlier run's results is still at the commit)."""
     import subprocess
 
     def git(*cmd):
@@ -254,7 +255,8 @@ def git_commit() -> str | None:
     head = git("rev-parse", "--short", "HEAD")
     if head.returncode != 0:
         return None  # not a git checkout (a copied tree on a GPU box)
-    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                ":(exclude)benchmarks/results").stdout.strip()
     return head.stdout.strip() + ("+changes" if dirty else "")
 
 
