@@ -157,13 +157,16 @@ def test_a_drafter_slower_than_plain_decoding_is_paused_whatever_the_model_says(
     pauses = [length for value, length in runs[1:-1] if not value]
     probes = [length for value, length in runs[1:-1] if value]
     assert probes == [policy.PROBE_STEPS] * len(probes) and len(probes) >= 4
-    for pause in pauses:  # the time a probe loses over its cycle (pause, then the probe)
+    # the first pause of the sequence is FIRST_PAUSE (the running rate's "no"); after each
+    # probe's "no", the probe loses at most PROBE_LOSS over its cycle (pause, then the probe)
+    assert pauses[0] == FIRST_PAUSE
+    for pause in pauses[1:]:
         probe_s = policy.PROBE_STEPS * 0.016
         assert probe_s * loss / (pause * 0.005 + probe_s) <= policy.PROBE_LOSS
-    # the first pause is as short as that allows (the doubling one, 8, would lose ~12 %), then
-    # the pauses double up to the longest
-    assert pauses[0] < 1.1 * policy.PROBE_STEPS * 0.016 / 0.005 * (loss / policy.PROBE_LOSS - 1)
-    assert pauses[1:] == [MAX_PAUSE] * (len(pauses) - 1)
+    # the pause after the first probe is as short as that allows (the doubling one, 16, would
+    # lose ~8 %), then the pauses double up to the longest
+    assert pauses[1] < 1.1 * policy.PROBE_STEPS * 0.016 / 0.005 * (loss / policy.PROBE_LOSS - 1)
+    assert pauses[2:] == [MAX_PAUSE] * (len(pauses) - 2)
     summary = engine.ctl.summary()
     measured = summary["measured_tokens_per_s"]
     # probes answered "no" count with the model's 1 ms drafter added
@@ -184,14 +187,17 @@ def test_a_drafter_that_loses_little_keeps_the_doubling_pauses():
 
 
 def test_pause_length_is_the_shortest_that_keeps_the_probes_loss_under_probe_loss():
-    """``_pause_length`` against the loss share computed from the rates: the probes of the
-    pause's cycle lose at most PROBE_LOSS of its time, and one step less would lose more
-    (unless the doubling pause or MAX_PAUSE bounds it)."""
+    """``_pause_length`` after a probe's "no" against the loss share computed from the rates:
+    the probes of the pause's cycle lose at most PROBE_LOSS of its time, and one step less
+    would lose more (unless the doubling pause or MAX_PAUSE bounds it). A first pause (no
+    probe yet) is FIRST_PAUSE whatever the rates."""
     for on_s, on_tokens, off_s in [(0.016, 2.5, 0.005), (0.030, 40, 0.020), (0.012, 1.2, 0.010),
                                    (0.011, 2.0, 0.005), (0.020, 1.0, 0.005)]:
         ctl = controller()
         ctl._measured[(1, True)] = MeasuredRate(on_s, on_tokens, MIN_MEASURED, MIN_MEASURED)
         ctl._measured[(1, False)] = MeasuredRate(off_s, 1.0, MIN_MEASURED, MIN_MEASURED)
+        assert ctl._pause_length(1) == FIRST_PAUSE
+        ctl._pause[1] = FIRST_PAUSE  # a probe after the first pause answered "no"
         pause = ctl._pause_length(1)
         loss = 1 - (on_tokens / on_s) / (1 / off_s)
         probe_s = policy.PROBE_STEPS * on_s
@@ -248,9 +254,10 @@ def test_a_plain_rate_measured_in_a_slow_spell_does_not_keep_the_drafter_on():
     assert paused_runs(slow) == [(EXPLORE_AFTER + 2, FIRST_PAUSE)]
     fast = [engine.step(0.010, 3, 0.002) for _ in range(REMEASURE_AFTER + 200)]
     assert sum(fast[:REMEASURE_AFTER - 100]) == REMEASURE_AFTER - 100  # the stale rate holds
-    # re-measured: drafting loses 40 %, the drafter pauses for MAX_PAUSE, then runs in probes
-    assert (False, MAX_PAUSE) in alternating_runs(fast)
-    assert sum(fast[-100:]) <= policy.PROBE_STEPS
+    # re-measured: drafting loses 40 %; after its first probe the drafter pauses for the
+    # longest pause (still in it at the end)
+    runs = alternating_runs(fast)
+    assert runs[-2] == (True, policy.PROBE_STEPS) and not runs[-1][0] and runs[-1][1] > 200
     measured = engine.ctl.summary()["measured_tokens_per_s"]
     assert measured["1-1 requests, plain"] == pytest.approx(1 / 0.002, rel=0.01)
 

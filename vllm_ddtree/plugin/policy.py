@@ -29,10 +29,12 @@ generation, do not switch off a drafter that pays), and probes again after a pau
 each time the probe's answer stays the same (8 steps, then 16, ... up to 256), per batch-size
 bucket (R's power of two): a new regime of traffic gets its own answer. Once the measured rates
 decide (below), a probe drafts until ``MIN_MEASURED`` of its own verify steps are measured and
-answers with their rate alone (``_probing``), and a pause is at least as long as keeps the
-measured loss of the probes that end it under ``PROBE_LOSS`` of the time (``_pause_length``): a
-drafter that loses a third of the throughput while it drafts (32 requests on the CPU) pauses for
-~200 steps at once, one that loses 5 % still probes after 8.
+answers with their rate alone (``_probing``); when a probe answers "no", the next pause is at
+least as long as keeps the measured loss of the probes under ``PROBE_LOSS`` of the time
+(``_pause_length``): a drafter that loses a third of the throughput while it drafts (32 requests
+on the CPU) pauses for ~200 steps after its first probe, one that loses 5 % still doubles from
+8. The first pause of a sequence stays ``FIRST_PAUSE``: at one request the running rate follows
+each prompt's acceptance, and one bad prompt must not pause a drafter that pays for long.
 Where decisions are made: every rank of a tensor-parallel group runs its own controller, and
 the controllers stay identical by construction (``ranks.py``): they read time only from the
 scheduler's clock stamp of each step (``SchedulerOutput.ddtree_clock``, broadcast to every
@@ -298,15 +300,16 @@ class BudgetController:
         return self._maybe_log()
 
     def _pause_length(self, bucket: int) -> int:
-        """The next pause of a bucket: the doubling one, or, once both rates are measured, at
-        least the pause after which a probe's loss is ``PROBE_LOSS`` of the time. A probe of
+        """The next pause of a bucket: the doubling one, or, when a probe answered "no" (the
+        bucket is in a sequence of pauses) and both rates are measured, at least the pause
+        after which a probe's loss is ``PROBE_LOSS`` of the time. A probe of
         ``PROBE_STEPS`` drafting steps (``t_on`` each) loses the share ``loss`` of its time
         (drafting's measured tokens per second are ``1 - loss`` of plain decoding's); over a
         pause of ``n`` plain steps (``t_off`` each) and the probe that ends it, that is
         ``PROBE_LOSS`` when ``n = PROBE_STEPS * t_on / t_off * (loss / PROBE_LOSS - 1)``.
         Example: steps of 16 ms for 2.5 tokens against 5 ms for 1 (loss 0.22): 191 steps."""
         pause = self._pause.get(bucket, FIRST_PAUSE)
-        if self._measured_both(bucket):
+        if bucket in self._pause and self._measured_both(bucket):
             on, off = self._measured[(bucket, True)], self._measured[(bucket, False)]
             loss = 1.0 - on.tokens_per_s() / max(off.tokens_per_s(), 1e-12)
             if loss > PROBE_LOSS:
