@@ -160,11 +160,11 @@ def test_a_drafter_slower_than_plain_decoding_is_paused_whatever_the_model_says(
     # the first pause of the sequence is FIRST_PAUSE (the running rate's "no"); after each
     # probe's "no", the probe loses at most PROBE_LOSS over its cycle (pause, then the probe)
     assert pauses[0] == FIRST_PAUSE
+    probe_s = policy.PROBE_STEPS * 0.016
     for pause in pauses[1:]:
-        probe_s = policy.PROBE_STEPS * 0.016
         assert probe_s * loss / (pause * 0.005 + probe_s) <= policy.PROBE_LOSS
     # the pause after the first probe is as short as that allows (the doubling one, 16, would
-    # lose ~8 %), then the pauses double up to the longest
+    # lose ~12 %), then the pauses double up to the longest
     assert pauses[1] < 1.1 * policy.PROBE_STEPS * 0.016 / 0.005 * (loss / policy.PROBE_LOSS - 1)
     assert pauses[2:] == [MAX_PAUSE] * (len(pauses) - 2)
     summary = engine.ctl.summary()
