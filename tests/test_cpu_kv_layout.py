@@ -119,8 +119,9 @@ def test_tree_rows_attention_is_the_reference_up_to_the_kernels_rounding():
 def test_batched_tree_rows_equal_the_reference_per_request(isa, dtype):
     """One verify step of three requests (the middle one without drafts) on a paged cache with
     scattered blocks: the step's slots and masks (:func:`tree_attention_info`), the flat cache
-    gathers and the batched attention give, for every node row, the torch reference over that
-    request's context plus its ancestors (K/V written by vLLM's writer)."""
+    gathers and the batched attention give, for every tree row (a request's root and its
+    nodes), the torch reference over that request's context plus the row's ancestors (K/V
+    written by vLLM's writer)."""
     bs, nkv, heads, d, budget = 16, 2, 4, 32, 6
     gen = torch.Generator().manual_seed(5)
     ctx, num_draft = [5, 30, 20], [3, 0, 6]
@@ -148,14 +149,16 @@ def test_batched_tree_rows_equal_the_reference_per_request(isa, dtype):
     for r, start, m in [(r, starts[r], m) for r, m in enumerate(num_draft)]:
         n = seq_lens[r]
         if m:
-            mask = torch.cat([torch.ones(m, ctx[r], dtype=torch.bool), dense[r, 1:m + 1, :m + 1]],
-                             dim=1)
-            want = masked_attention_ref(q[start + 1:start + m + 1], k[first:first + n],
+            # the root row sees the context and itself, node i the context and its ancestors
+            span = dense[r, :m + 1, :m + 1]
+            assert torch.equal(span[0], torch.arange(m + 1) == 0)
+            mask = torch.cat([torch.ones(m + 1, ctx[r], dtype=torch.bool), span], dim=1)
+            want = masked_attention_ref(q[start:start + m + 1], k[first:first + n],
                                         v[first:first + n], mask, 0.3)
             i = [j for j, (rr, _, _) in enumerate(requests) if rr == r][0]
-            assert torch.equal(info.rows[i, :m], torch.arange(start + 1, start + m + 1))
-            assert int(info.valid[i].sum()) == m
-            torch.testing.assert_close(got[i, :m].float(), want.float(), atol=2e-6 if
+            assert torch.equal(info.rows[i, :m + 1], torch.arange(start, start + m + 1))
+            assert int(info.valid[i].sum()) == m + 1
+            torch.testing.assert_close(got[i, :m + 1].float(), want.float(), atol=2e-6 if
                                        dtype == torch.float32 else 1e-2, rtol=1e-3)
         first += n
 

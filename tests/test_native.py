@@ -598,10 +598,10 @@ if torch.cpu._is_amx_tile_supported():
 
 @pytest.mark.parametrize("isa,dtype,bs,nkv,d,group", ATTENTION_CASES)
 def test_tree_attention_equals_the_torch_twin(native, isa, dtype, bs, nkv, d, group):
-    """The fused node-row attention over vLLM's paged CPU cache (written by vLLM's own writer)
-    equals :func:`tree_rows_attention` over the layout's gathers (the torch path), row by
-    row, within float32 rounding (bf16: one bf16 step); the root rows and rows of requests
-    without nodes stay untouched."""
+    """The fused tree-row attention (each request's root and node rows) over vLLM's paged CPU
+    cache (written by vLLM's own writer) equals :func:`tree_rows_attention` over the layout's
+    gathers (the torch path), row by row, within float32 rounding (bf16: one bf16 step); the
+    rows of requests without nodes stay untouched."""
     from vllm_ddtree.plugin.cpu_attention import (
         _write_with_vllm, cpu_kv_layout, tree_attention_info, tree_rows_attention)
 

@@ -3,6 +3,9 @@
 Oracle: the same engine settings without a speculative config. 100% token equality.
 """
 
+import collections
+import functools
+
 import pytest
 from vllm_utils import (
     PROMPTS,
@@ -34,16 +37,49 @@ def baseline():
     return ids
 
 
+def _count_attention_calls(monkeypatch) -> collections.Counter:
+    """Counts the target layers' attention calls of verify steps, by whether the tree rows are
+    every row of the step ("all tree rows": decoding) or not ("mixed": prefill rows too), for
+    the plugin's backend ("ddtree ...") and the stock kernel under it ("stock ...")."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    from vllm_ddtree.plugin.cpu_attention import DDTreeCPUImpl
+
+    calls = collections.Counter()
+
+    def counting(cls, name):
+        forward = cls.forward
+
+        @functools.wraps(forward)
+        def counted(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+            info = getattr(attn_metadata, "ddtree", None)
+            if info is not None:
+                calls[f"{name} {'all tree rows' if info.covers_all else 'mixed'}"] += 1
+            return forward(self, layer, query, key, value, kv_cache, attn_metadata, *args,
+                           **kwargs)
+
+        monkeypatch.setattr(cls, "forward", counted)
+
+    counting(CPUAttentionBackendImpl, "stock")
+    counting(DDTreeCPUImpl, "ddtree")
+    return calls
+
+
 @pytest.mark.parametrize("budget", [1, 4, 16, 64, 256])
-def test_greedy_outputs_identical(baseline, budget):
+def test_greedy_outputs_identical(baseline, budget, monkeypatch):
     # each decoding request takes 1 + B + L of the token budget (1 + B verify slots, L drafter
     # slots); room for 4 of them per step
     engine = dict(ENGINE, max_num_batched_tokens=max(ENGINE["max_num_batched_tokens"],
                                                      4 * (budget + 8)))
+    calls = _count_attention_calls(monkeypatch)
     llm = make_llm(ddtree_spec(budget), **engine)
     # twice: the second pass hits the prefix cache built by the first
     for _ in range(2):
         assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == baseline
+    # the stock kernel ran in the steps that mix tree rows with prefill rows (for those), and
+    # not in the steps of tree rows only (decoding, once the prompts are in)
+    assert calls["stock mixed"] == calls["ddtree mixed"] > 0, calls
+    assert calls["ddtree all tree rows"] > 0 and calls["stock all tree rows"] == 0, calls
     metrics = spec_metrics(llm)
     assert metrics["vllm:spec_decode_num_drafts"] > 0
     # accepted per position: a tree of B nodes accepts at most min(B, depth) per step

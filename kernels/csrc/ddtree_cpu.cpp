@@ -461,8 +461,9 @@ void reindex_trees_(Tensor nodes, Tensor scores, Tensor mask, const Tensor& plan
 // tree_attention_info, whose TreeAttentionInfo this returns): requests [n, 4] int64 rows
 // (request row r, first query row, m nodes, sequence length after the step); ancestor_mask
 // [R, B + 1, W] packed rows of the step's trees; block_table [>= R, max_blocks] (int32 or
-// int64). Node i of request n is query row start + 1 + i and sees the committed context
-// (positions < seq - m - 1) and its ancestors in the span; padding rows see position 0.
+// int64). Row i <= m of request n (the root, then its nodes) is query row start + i and sees
+// the committed context (positions < seq - m - 1) and, in the span, itself and its ancestors
+// (ancestor row i: the root's holds only the root); padding rows see position 0.
 std::tuple<Tensor, Tensor, Tensor, Tensor> tree_attention_info(const Tensor& requests,
                                                                const Tensor& ancestor_mask,
                                                                const Tensor& block_table,
@@ -479,7 +480,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> tree_attention_info(const Tensor& req
   const int64_t* req = requests.data_ptr<int64_t>();
   int64_t b = 0, s = 0;
   for (int64_t q = 0; q < n; ++q) {
-    b = std::max(b, req[q * 4 + 2]);
+    b = std::max(b, req[q * 4 + 2] + 1);  // the root row and m node rows
     s = std::max(s, req[q * 4 + 3]);
   }
   auto long_opts = requests.options();
@@ -513,8 +514,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> tree_attention_info(const Tensor& req
       sl[q * s + pos] = slot;
     }
     for (int64_t i = 0; i < b; ++i) {
-      const bool real = i < m;
-      ro[q * b + i] = real ? start + 1 + i : 0;
+      const bool real = i <= m;
+      ro[q * b + i] = real ? start + i : 0;
       va[q * b + i] = real;
       bool* row = ma + (q * b + i) * s;
       if (!real) {
@@ -522,7 +523,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> tree_attention_info(const Tensor& req
         row[0] = true;  // a padding row sees one position: no all-masked softmax
         continue;
       }
-      const uint32_t* bits = am + (r * (B + 1) + i + 1) * W;
+      const uint32_t* bits = am + (r * (B + 1) + i) * W;
       for (int64_t pos = 0; pos < s; ++pos) {
         const int64_t rel = pos - ctx;
         row[pos] = rel < 0 || (rel <= m && ((bits[rel / 32] >> (rel % 32)) & 1u));
@@ -695,11 +696,11 @@ inline float to_float(T x) {
   return static_cast<float>(x);
 }
 
-// The node rows' attention, batched over (request, KV head): K and V of the positions any row
-// of the request sees are gathered in float32 from the paged cache through the layout's
-// offsets ([n * Hkv, U, D], zero past the request's last seen position), the node rows'
-// queries in float32 ([n * Hkv, b * group, D]: row i, head g * group + j at i * group + j;
-// zero for padding rows) and the mask as an additive bias (0 or -inf; 0 on padding rows);
+// The tree rows' attention (each request's root and node rows), batched over (request, KV
+// head): K and V of the positions any row of the request sees are gathered in float32 from the
+// paged cache through the layout's offsets ([n * Hkv, U, D], zero past the request's last seen
+// position), the rows' queries in float32 ([n * Hkv, b * group, D]: row i, head
+// g * group + j at i * group + j; zero for padding rows) and the mask as an additive bias (0 or -inf; 0 on padding rows);
 // then one GEMM with the bias, a softmax and one GEMM (vectorised ATen kernels) for all
 // requests (a scalar loop per (request, K/V head, row) took 2-3x longer:
 // benchmarks/cpu_tree_attention.py).
@@ -799,10 +800,10 @@ void tree_attention_impl(Tensor& output, const Tensor& query, const Tensor& flat
   }
 }
 
-// The node rows of a verify step on vLLM's CPU backend (DDTreeCPUImpl): for each real node
-// row, attention over the positions its mask shows (the committed context and its
-// ancestors), K/V read from the paged cache through the layout's offsets; written into
-// output [T, H, D] at the row (the root rows and other requests' rows are left alone).
+// The tree rows of a verify step on vLLM's CPU backend (DDTreeCPUImpl): for each real row (a
+// request's root or one of its nodes), attention over the positions its mask shows (the
+// committed context, then itself and its ancestors), K/V read from the paged cache through the
+// layout's offsets; written into output [T, H, D] at the row (other rows are left alone).
 // bf16_probs: the unnormalised probabilities are rounded to bfloat16 before they weigh V
 // (vLLM's amx kernel does).
 void tree_attention_(Tensor output, const Tensor& query, const Tensor& flat,
@@ -817,7 +818,7 @@ void tree_attention_(Tensor output, const Tensor& query, const Tensor& flat,
   const int64_t num_rows = std::min(output.size(0), query.size(0));
   for (int64_t i = 0; i < rows.numel(); ++i) {
     TORCH_CHECK(0 <= rows.data_ptr<int64_t>()[i] && rows.data_ptr<int64_t>()[i] < num_rows,
-                "tree_attention_: a node row is out of range");
+                "tree_attention_: a tree row is out of range");
   }
   TORCH_CHECK(query.scalar_type() == flat.scalar_type() &&
                   output.scalar_type() == flat.scalar_type(),

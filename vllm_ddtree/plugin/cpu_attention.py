@@ -2,15 +2,17 @@
 
 The CPU platform ignores the attention-backend selection, so the plugin overrides
 ``CPU_ATTN`` itself with :class:`DDTreeCPUBackend`. It behaves exactly like the stock backend
-unless its builder holds a :class:`TreeState` with a verify batch: then, after the stock causal
-kernel, the node rows of every request with drafts are recomputed with the math of the torch
+unless its builder holds a :class:`TreeState` with a verify batch: then the tree rows of every
+request with drafts (its root row and its node rows) are computed with the math of the torch
 reference (:func:`vllm_ddtree.kernels.masked_attention_ref`) over the committed context plus
-the request's ancestor-only span, both read from the paged cache. The root row is causal
-already. The slots and masks of a step are built once (:func:`tree_attention_info`, in the
-metadata builder); each layer then runs two gathers, one batched attention over all requests
-and one scatter. With the fused CPU kernels (``vllm_ddtree.kernels.native``) both are one op:
+the request's ancestor-only span, both read from the paged cache (vLLM's separate K/V update
+has written the step's K/V before). The stock causal kernel runs only for the rows of other
+requests (prefills, requests without drafts): in a step where every query row is a tree row
+it does not run at all. The slots and masks of a step are built once
+(:func:`tree_attention_info`, in the metadata builder); each layer then runs two gathers, one
+batched attention over all requests and one scatter. With the fused CPU kernels (``vllm_ddtree.kernels.native``) both are one op:
 ``tree_attention_info`` from the packed ancestor rows, and ``tree_attention_`` per layer,
-which reads K/V in place through the layout's offsets and writes the node rows (the torch
+which reads K/V in place through the layout's offsets and writes the tree rows (the torch
 path above is its oracle in tests/test_native.py).
 
 CPU K/V layout (one tensor per layer, ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``):
@@ -44,15 +46,17 @@ class TreeAttentionInfo:
     """The tree rows of one verify step, built once per step and shared by every layer of the
     KV group (all gather the same slots under the same mask).
 
-    Requests with drafts are padded to ``b`` node rows and ``s`` key positions (positions
-    ``0 .. seq_len - 1``: the committed context, then the verify span, whose K/V the stock
-    kernel has just written at the span's slots).
+    Requests with drafts are padded to ``b`` rows (row 0 the root, row i its node i - 1) and
+    ``s`` key positions (positions ``0 .. seq_len - 1``: the committed context, then the verify
+    span, whose K/V vLLM's K/V update has just written at the span's slots).
     """
 
-    rows: torch.Tensor  # [n, b] int64 flat query row of node i of request n (padding: 0)
-    valid: torch.Tensor  # [n, b] bool: a real node row
+    rows: torch.Tensor  # [n, b] int64 flat query row of row i of request n (padding: 0)
+    valid: torch.Tensor  # [n, b] bool: a real row
     slots: torch.Tensor  # [n, s] int64 K/V slot of position j (padding: slot 0, masked)
-    mask: torch.Tensor  # [n, b, s] bool: what node row i sees (padding rows: position 0)
+    mask: torch.Tensor  # [n, b, s] bool: what row i sees (padding rows: position 0)
+    # the tree rows are every query row of the step: the stock causal kernel is not needed
+    covers_all: bool = False
     # (isa, dtype, per-layer cache shape) -> flat cache indices of ``slots`` (K, V), made by the
     # group's first layer and reused by the others
     flat_index: dict = field(default_factory=dict)
@@ -74,17 +78,16 @@ def tree_attention_info(dense_mask: torch.Tensor, requests: list[tuple[int, int,
     m = torch.tensor([n for _, _, n in requests])
     seq = torch.tensor([seq_lens[r] for r, _, _ in requests])
     ctx = seq - m - 1
-    b, s = int(m.max()), int(seq.max())
+    b, s = int(m.max()) + 1, int(seq.max())  # the root row and up to max(m) node rows
     node = torch.arange(b)
-    valid = node[None] < m[:, None]  # [n, b]
-    rows = torch.where(valid, start[:, None] + 1 + node[None], 0)
+    valid = node[None] <= m[:, None]  # [n, b]
+    rows = torch.where(valid, start[:, None] + node[None], 0)
     pos = torch.arange(s)[None].expand(len(requests), s)
     blocks = block_table[req[:, None], pos // block_size].to(torch.int64)
     slots = torch.where(pos < seq[:, None], blocks * block_size + pos % block_size, 0)
     rel = pos[:, None, :] - ctx[:, None, None]  # [n, 1, s]: position within the span
     in_span = (rel >= 0) & (rel <= m[:, None, None])
-    tree = dense_mask[req, 1 : b + 1].gather(2, rel.clamp(0, dense_mask.shape[2] - 1)
-                                                .expand(-1, b, -1))
+    tree = dense_mask[req, :b].gather(2, rel.clamp(0, dense_mask.shape[2] - 1).expand(-1, b, -1))
     mask = ((rel < 0) | (in_span & tree)) & valid[..., None]
     mask[..., 0] |= ~valid  # a padding row sees one position: no all-masked softmax
     return TreeAttentionInfo(rows=rows, valid=valid, slots=slots, mask=mask)
@@ -287,6 +290,8 @@ class DDTreeCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         else:
             info = tree_attention_info(verify.tree.dense_mask(), requests, seq_lens,
                                        meta.block_table, self.kv_cache_spec.block_size)
+        # the requests' spans are disjoint: they cover every query row when their sizes add up
+        info.covers_all = sum(m + 1 for _, _, m in requests) == meta.num_actual_tokens
         return DDTreeCPUMetadata(**vars(meta), ddtree=info)
 
     def build_for_drafting(self, common_attn_metadata, draft_index: int):
@@ -297,11 +302,14 @@ class DDTreeCPUMetadataBuilder(CPUAttentionMetadataBuilder):
 class DDTreeCPUImpl(CPUAttentionBackendImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
-        # the stock kernel writes the step's K/V (the verify spans too) and computes the
-        # causal rows; the node rows are then recomputed over context + ancestors
-        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                                 output_scale, output_block_scale)
+        # vLLM's K/V update (do_kv_cache_update, before this) has written the step's K/V, the
+        # verify spans' too; the stock kernel computes the causal rows of requests without a
+        # tree, then the tree rows are computed over context + ancestors
         info = getattr(attn_metadata, "ddtree", None)
+        if info is None or not info.covers_all or output_scale is not None or \
+                output_block_scale is not None:  # (the stock kernel refuses these)
+            output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                     output_scale, output_block_scale)
         if info is None:
             return output
         head_dim = kv_cache.shape[3] // 2

@@ -217,7 +217,10 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     # the attention backends (subclasses)
     Requirement("vllm.v1.attention.backends.registry", "register_backend"),
     Requirement("vllm.v1.attention.backends.registry", "AttentionBackendEnum"),
-    Requirement(_CPU_ATTN, "CPUAttentionBackend"),
+    Requirement(_CPU_ATTN, "CPUAttentionBackend",
+                contains=("forward_includes_kv_cache_update: bool = False",),
+                why="K/V is written by a separate update before forward: a step whose rows "
+                    "are all tree rows skips the stock kernel"),
     Requirement(_CPU_ATTN, "CPUAttentionMetadata"),
     Requirement(_CPU_ATTN, "CPUAttentionMetadataBuilder.build",
                 ("common_prefix_len", "common_attn_metadata", "fast_build")),
