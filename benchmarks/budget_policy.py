@@ -41,6 +41,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -159,10 +160,23 @@ def start_engine(args, spec: dict | None, num_engines: int):
     )
 
 
-def timed_round(args, llms: dict, prompts: list[dict], concurrency: int,
-                passes: int = 1) -> dict[str, float]:
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens")
+
+
+def spec_counters(llm) -> collections.Counter:
+    """vLLM's speculative-decoding counters. They live in one registry per process, shared by
+    the engines of this benchmark (same model name, same labels): only their change across one
+    engine's own ``generate`` call is that engine's."""
+    return collections.Counter({m.name: getattr(m, "value", 0) or 0 for m in llm.get_metrics()
+                                if m.name in SPEC_COUNTERS})
+
+
+def timed_round(args, llms: dict, prompts: list[dict], concurrency: int, passes: int = 1,
+                counted: dict | None = None) -> dict[str, float]:
     """Seconds per configuration to run every prompt ``passes`` times in waves of
-    ``concurrency`` requests, the configurations taking turns wave by wave (rotated)."""
+    ``concurrency`` requests, the configurations taking turns wave by wave (rotated); adds each
+    configuration's own speculative-decoding counts to ``counted[name]``."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -171,22 +185,24 @@ def timed_round(args, llms: dict, prompts: list[dict], concurrency: int,
     seconds = dict.fromkeys(names, 0.0)
     for j, wave in enumerate(waves):
         for name in names[j % len(names):] + names[:j % len(names)]:
+            before = spec_counters(llms[name]) if counted is not None else None
             start = time.perf_counter()
             outs = llms[name].generate(wave, params, use_tqdm=False)
             seconds[name] += time.perf_counter() - start
+            if counted is not None:
+                counted[name].update(spec_counters(llms[name]) - before)
             assert all(len(o.outputs[0].token_ids) == args.max_tokens for o in outs)
     return seconds
 
 
-def engine_summary(llm) -> dict:
-    """Acceptance from vLLM's metrics, and the auto policy's own summary."""
+def engine_summary(llm, counts: collections.Counter) -> dict:
+    """Acceptance from this engine's share of vLLM's counters, and the auto policy's own
+    summary."""
     out = {}
-    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
-               if m.name.startswith("vllm:spec_decode_num")}
-    drafts = metrics.get("vllm:spec_decode_num_drafts") or 0
+    drafts = counts["vllm:spec_decode_num_drafts"]
     if drafts:
-        out["mean_acceptance_length"] = 1 + metrics["vllm:spec_decode_num_accepted_tokens"] / drafts
-        out["mean_nodes_per_draft"] = metrics["vllm:spec_decode_num_draft_tokens"] / drafts
+        out["mean_acceptance_length"] = 1 + counts["vllm:spec_decode_num_accepted_tokens"] / drafts
+        out["mean_nodes_per_draft"] = counts["vllm:spec_decode_num_draft_tokens"] / drafts
     auto = ddtree_auto_stats(llm)
     if auto is not None:
         out["auto"] = auto
@@ -204,9 +220,11 @@ def run_all(args, configs: list[tuple[str, dict | None]], prompts: list[dict]) -
         passes[c] = max(1, math.ceil(args.min_cell_seconds / min(warm.values())))
     print(f"passes over the prompts per cell: {passes}", flush=True)
     times = {(name, c): [] for name, _ in configs for c in args.concurrency}
+    counted = {name: collections.Counter() for name in llms}  # the timed rounds' counts
     for round_ in range(1, args.repeats + 1):
         for c in args.concurrency:
-            for name, seconds in timed_round(args, llms, prompts, c, passes[c]).items():
+            for name, seconds in timed_round(args, llms, prompts, c, passes[c],
+                                             counted).items():
                 times[name, c].append(seconds)
                 print(f"  round {round_} {name:14s} c={c:3d}: {seconds:6.2f} s", flush=True)
     tokens = len(prompts) * args.max_tokens
@@ -217,7 +235,7 @@ def run_all(args, configs: list[tuple[str, dict | None]], prompts: list[dict]) -
                                 for c in args.concurrency},
                "passes": passes,
                "runs_s": {c: times[name, c] for c in args.concurrency}}
-        row.update(engine_summary(llm))
+        row.update(engine_summary(llm, counted[name]))
         rows.append(row)
     for llm in engines:
         llm.llm_engine.engine_core.shutdown()
