@@ -25,8 +25,11 @@ mkdir -p "$logs"
 nvidia-smi -L || true
 "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
+marker="$(mktemp)"  # results newer than this one are this run's
 status=0
-timeout 200 "$py" -m pytest -q -ra --noconftest -p no:cacheprovider \
+# -P: not the working directory first on sys.path, where vllm_ddtree (without its kernels
+# folder) would shadow the shim's
+timeout 200 "$py" -P -m pytest -q -ra --noconftest -p no:cacheprovider \
     tests/test_kernels_attention.py tests/test_kernels_compact.py tests/test_verify_steps.py \
     tests/test_no_sync.py \
     2>&1 | tee "$logs/gpu_kernel_tests.log"
@@ -37,5 +40,7 @@ timeout 120 "$py" benchmarks/cuda_stages.py 2>&1 | tee "$logs/gpu_cuda_stages.lo
 
 timeout 420 "$py" benchmarks/kernels.py "$@" 2>&1 | tee "$logs/gpu_kernel_bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-if [ -n "${OUT:-}" ]; then cp benchmarks/results/kernels_*.json benchmarks/results/cuda_stages_*.json "$OUT"/ 2>/dev/null || true; fi
+if [ -n "${OUT:-}" ]; then
+    find benchmarks/results -maxdepth 1 -name '*.json' -newer "$marker" -exec cp {} "$OUT"/ \;
+fi
 exit $status
