@@ -156,20 +156,24 @@ def start_engine(args, spec: dict | None, num_engines: int):
         max_num_batched_tokens=max(2048, top * (budget + 16)),
         seed=0,
         disable_log_stats=False,
+        # acceptance per request in the outputs: vLLM's Prometheus counters are one set per
+        # process, which only the engine started last writes to
+        per_request_spec_decode_metrics="summary" if spec else "none",
         **memory,
     )
 
 
-SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-                 "vllm:spec_decode_num_accepted_tokens")
-
-
-def spec_counters(llm) -> collections.Counter:
-    """vLLM's speculative-decoding counters. They live in one registry per process, shared by
-    the engines of this benchmark (same model name, same labels): only their change across one
-    engine's own ``generate`` call is that engine's."""
-    return collections.Counter({m.name: getattr(m, "value", 0) or 0 for m in llm.get_metrics()
-                                if m.name in SPEC_COUNTERS})
+def spec_counts(outputs) -> collections.Counter:
+    """Verify steps, proposed and accepted drafts of ``outputs`` (vLLM's per-request
+    speculative-decoding metrics: a histogram of accepted drafts per step)."""
+    counts = collections.Counter()
+    for out in outputs:
+        metrics = out.outputs[0].spec_decode_metrics
+        if metrics is not None:
+            counts["steps"] += sum(metrics.histogram)
+            counts["accepted"] += sum(j * n for j, n in enumerate(metrics.histogram))
+            counts["drafted"] += metrics.num_draft_tokens
+    return counts
 
 
 def timed_round(args, llms: dict, prompts: list[dict], concurrency: int, passes: int = 1,
@@ -185,24 +189,22 @@ def timed_round(args, llms: dict, prompts: list[dict], concurrency: int, passes:
     seconds = dict.fromkeys(names, 0.0)
     for j, wave in enumerate(waves):
         for name in names[j % len(names):] + names[:j % len(names)]:
-            before = spec_counters(llms[name]) if counted is not None else None
             start = time.perf_counter()
             outs = llms[name].generate(wave, params, use_tqdm=False)
             seconds[name] += time.perf_counter() - start
             if counted is not None:
-                counted[name].update(spec_counters(llms[name]) - before)
+                counted[name].update(spec_counts(outs))
             assert all(len(o.outputs[0].token_ids) == args.max_tokens for o in outs)
     return seconds
 
 
 def engine_summary(llm, counts: collections.Counter) -> dict:
-    """Acceptance from this engine's share of vLLM's counters, and the auto policy's own
-    summary."""
+    """Acceptance over the engine's timed outputs (``counts``: :func:`spec_counts`), and the
+    auto policy's own summary."""
     out = {}
-    drafts = counts["vllm:spec_decode_num_drafts"]
-    if drafts:
-        out["mean_acceptance_length"] = 1 + counts["vllm:spec_decode_num_accepted_tokens"] / drafts
-        out["mean_nodes_per_draft"] = counts["vllm:spec_decode_num_draft_tokens"] / drafts
+    if counts["steps"]:
+        out["mean_acceptance_length"] = 1 + counts["accepted"] / counts["steps"]
+        out["mean_nodes_per_draft"] = counts["drafted"] / counts["steps"]
     auto = ddtree_auto_stats(llm)
     if auto is not None:
         out["auto"] = auto
