@@ -19,7 +19,9 @@ shim="$(mktemp -d)"
 mkdir -p "$shim/vllm_ddtree"
 for f in "$root"/vllm_ddtree/*; do ln -s "$f" "$shim/vllm_ddtree/"; done
 ln -sfn "$root/kernels" "$shim/vllm_ddtree/kernels"
-export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# PYTHONSAFEPATH: no working directory first on sys.path (python -m, python -c in tests'
+# subprocesses), where vllm_ddtree without its kernels folder would shadow the shim's
+export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
 logs="${OUT:-$root/benchmarks/results}"
 mkdir -p "$logs"
 nvidia-smi -L || true
@@ -27,9 +29,7 @@ nvidia-smi -L || true
 
 marker="$(mktemp)"  # results newer than this one are this run's
 status=0
-# -P: not the working directory first on sys.path, where vllm_ddtree (without its kernels
-# folder) would shadow the shim's
-timeout 200 "$py" -P -m pytest -q -ra --noconftest -p no:cacheprovider \
+timeout 200 "$py" -m pytest -q -ra --noconftest -p no:cacheprovider \
     tests/test_kernels_attention.py tests/test_kernels_compact.py tests/test_verify_steps.py \
     tests/test_no_sync.py \
     2>&1 | tee "$logs/gpu_kernel_tests.log"
