@@ -1,8 +1,8 @@
-"""The CPU backend's node-row attention (the fused ``tree_attention_`` op) per layer call.
+"""The CPU backend's tree-row attention (the fused ``tree_attention_`` op) per layer call.
 
 Tiny-pair shapes (6 query heads, 2 K/V heads, head size 32, float32, vLLM's ``vec`` cache
-layout written by vLLM's own writer), ~100 context positions per request, R requests with m
-nodes each; every result is checked against the torch twin (``tree_rows_attention`` over the
+layout written by vLLM's own writer), ~100 or ~2000 context positions per request, R requests
+with m nodes each (and their roots); every result is checked against the torch twin (``tree_rows_attention`` over the
 layout's gathers) before it is timed. Microseconds per call, best of 3 x 200 calls.
 
     python benchmarks/cpu_tree_attention.py --label after
@@ -29,17 +29,19 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # this folder's kernels.py must not shadow the repository's kernels package
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.join(ROOT, "benchmarks")]
-CASES = [(1, 7), (1, 16), (8, 7), (8, 16), (32, 7)]  # (requests, nodes per request)
+# (requests, nodes per request, context positions of the first request)
+CASES = [(1, 7, 100), (1, 16, 100), (8, 7, 100), (8, 16, 100), (32, 7, 100), (1, 16, 2000),
+         (8, 16, 2000)]
 
 
-def one_case(ops, num_reqs: int, nodes: int) -> float:
+def one_case(ops, num_reqs: int, nodes: int, context: int) -> float:
     from vllm_ddtree.plugin.cpu_attention import (
         _write_with_vllm, cpu_kv_layout, tree_attention_info, tree_rows_attention)
     from vllm_ddtree.tree import build_tree
 
     isa, dtype, bs, nkv, d, group = "vec", torch.float32, 16, 2, 32, 3
     gen = torch.Generator().manual_seed(3)
-    ctx, num_draft = [100 + 3 * r for r in range(num_reqs)], [nodes] * num_reqs
+    ctx, num_draft = [context + 3 * r for r in range(num_reqs)], [nodes] * num_reqs
     per = (max(ctx) + nodes + 1 + bs - 1) // bs
     num_blocks = num_reqs * per + 4
     tree = build_tree(torch.randn(num_reqs, 7, 50, generator=gen), torch.tensor(num_draft),
@@ -100,10 +102,12 @@ def main() -> None:
     source = args.source or f"{commit}:kernels/csrc/ddtree_cpu.cpp"
     print(f"{args.label}: the op built from {source}", flush=True)
     rows = []
-    for num_reqs, nodes in CASES:
-        us = one_case(ops, num_reqs, nodes)
-        rows.append({"requests": num_reqs, "nodes": nodes, "us_per_call": round(us, 1)})
-        print(f"{args.label}: {num_reqs} requests x {nodes} nodes: {us:.1f} us", flush=True)
+    for num_reqs, nodes, context in CASES:
+        us = one_case(ops, num_reqs, nodes, context)
+        rows.append({"requests": num_reqs, "nodes": nodes, "context": context,
+                     "us_per_call": round(us, 1)})
+        print(f"{args.label}: {num_reqs} requests x {nodes} nodes, context {context}: "
+              f"{us:.1f} us", flush=True)
     runs = []
     if os.path.exists(args.out):
         with open(args.out) as f:

@@ -590,28 +590,53 @@ def test_tree_attention_info_equals_the_torch_twin(native, table_dtype):
         assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
-ATTENTION_CASES = [("vec", torch.float32, 16, 2, 32, 3), ("vec16", torch.bfloat16, 16, 2, 32, 2),
-                   ("vec", torch.bfloat16, 32, 1, 64, 4)]
+# isa, dtype, block size, K/V heads, head size, query heads per K/V head, contexts, rounding of
+# the probabilities as vLLM's kernel of this isa does (the op's bf16_probs: "amx" with bf16)
+SHORT, LONG = [5, 30, 40, 0], [5, 300, 700, 256]
+ATTENTION_CASES = [("vec", torch.float32, 16, 2, 32, 3, SHORT, "vec"),
+                   ("vec16", torch.bfloat16, 16, 2, 32, 2, SHORT, "vec16"),
+                   ("vec", torch.bfloat16, 32, 1, 64, 4, SHORT, "vec"),
+                   ("vec", torch.float32, 16, 2, 32, 3, LONG, "vec"),
+                   ("vec", torch.float32, 16, 2, 32, 3, LONG, "amx"),
+                   ("vec", torch.bfloat16, 32, 1, 64, 4, SHORT, "amx")]
 if torch.cpu._is_amx_tile_supported():
-    ATTENTION_CASES.append(("amx", torch.bfloat16, 32, 2, 32, 2))
+    ATTENTION_CASES.append(("amx", torch.bfloat16, 32, 2, 32, 2, SHORT, "amx"))
 
 
-@pytest.mark.parametrize("isa,dtype,bs,nkv,d,group", ATTENTION_CASES)
-def test_tree_attention_equals_the_torch_twin(native, isa, dtype, bs, nkv, d, group):
+def _bf16_probs_attention(q, k, v, mask, scale):
+    """Attention of rows ``q [n, b, H, D]`` over ``k = v [n, s, Hkv, D]`` under ``mask [n, b,
+    s]`` with the unnormalised probabilities exp(s - max) rounded to bf16 before they weigh V
+    and their float32 sum dividing (vLLM's amx kernel), in float32."""
+    group = q.shape[2] // k.shape[2]
+    kf, vf = (x.float().repeat_interleave(group, dim=2) for x in (k, v))
+    scores = torch.einsum("nbhd,nshd->nhbs", q.float(), kf) * scale
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    weights = (scores - scores.amax(-1, keepdim=True)).exp()
+    out = torch.einsum("nhbs,nshd->nbhd", weights.bfloat16().float(), vf)
+    return out / weights.sum(-1).permute(0, 2, 1)[..., None]
+
+
+@pytest.mark.parametrize("isa,dtype,bs,nkv,d,group,ctx,rounding", ATTENTION_CASES)
+def test_tree_attention_equals_the_torch_twin(native, isa, dtype, bs, nkv, d, group, ctx,
+                                              rounding):
     """The fused tree-row attention (each request's root and node rows) over vLLM's paged CPU
     cache (written by vLLM's own writer) equals :func:`tree_rows_attention` over the layout's
-    gathers (the torch path), row by row, within float32 rounding (bf16: one bf16 step); the
-    rows of requests without nodes stay untouched."""
+    gathers (the torch path), row by row, within float32 rounding (bf16: one bf16 step), for
+    short and long contexts, with and without the bf16 rounding of the probabilities that
+    vLLM's amx kernel does (also on float32 data, where its effect is seen); the rows of
+    requests without nodes stay untouched."""
     from vllm_ddtree.plugin.cpu_attention import (
         _write_with_vllm, cpu_kv_layout, tree_attention_info, tree_rows_attention)
 
-    heads, budget, num_blocks = nkv * group, 8, 24
+    heads, budget = nkv * group, 8
     gen = torch.Generator().manual_seed(3)
-    ctx, num_draft = [5, 30, 40, 0], [3, 0, 8, 5]
+    num_draft = [3, 0, 8, 5]
+    per = (max(ctx) + budget + bs) // bs  # blocks per request
+    num_blocks = 4 * per + 8
     tree = build_tree(torch.randn(4, 4, 50, generator=gen), torch.tensor(num_draft),
                       max_budget=budget)
     seq_lens = [c + m + 1 for c, m in zip(ctx, num_draft)]
-    block_table = torch.randperm(num_blocks, generator=gen)[:16].view(4, 4).to(torch.int32)
+    block_table = torch.randperm(num_blocks, generator=gen)[:4 * per].view(4, per).to(torch.int32)
     starts = list(np.cumsum([0] + [m + 1 for m in num_draft[:-1]]))
     num_rows = int(starts[-1]) + num_draft[-1] + 1
     slots = torch.cat([block_table[r, p // bs].long() * bs + p % bs
@@ -625,14 +650,26 @@ def test_tree_attention_equals_the_torch_twin(native, isa, dtype, bs, nkv, d, gr
     layout = cpu_kv_layout(cache, isa)
     k_index, v_index = layout.index(info.slots)
     flat = cache.view(-1)
-    want = tree_rows_attention(q[info.rows], flat[k_index], flat[v_index], info.mask, 0.3, isa)
+    args = (q[info.rows], flat[k_index], flat[v_index], info.mask, 0.3)
+    want = tree_rows_attention(*args, rounding)
+    tol = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    if rounding == "amx" and dtype == torch.float32:  # the rounding alone, written out here
+        unrounded = want
+        want = _bf16_probs_attention(*args)
+        # a weight within an ulp of a bf16 rounding boundary may round the other way (the op
+        # sums in another order): one bf16 step of one weight, ~1e-4 here; the mean error must
+        # stay far below the rounding's own effect (below)
+        tol = dict(atol=1e-4, rtol=0)
 
     out = torch.full_like(q, 7.0)
     native.ops.tree_attention_(out, q, flat, layout.offsets, layout.slot_stride, info.rows,
                                info.valid, info.slots, info.mask, 0.3,
-                               isa == "amx" and dtype == torch.bfloat16)
-    tol = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
-    torch.testing.assert_close(out[info.rows[info.valid]].float(), want[info.valid].float(), **tol)
+                               rounding == "amx")
+    got, want = out[info.rows[info.valid]].float(), want[info.valid].float()
+    torch.testing.assert_close(got, want, **tol)
+    if rounding == "amx" and dtype == torch.float32:  # the op rounds where the oracle does
+        error = (got - want).abs().mean()
+        assert error < 0.01 * (got - unrounded[info.valid]).abs().mean(), error
     untouched = torch.ones(num_rows, dtype=torch.bool)
     untouched[info.rows[info.valid]] = False
     assert bool((out[untouched] == 7.0).all())
