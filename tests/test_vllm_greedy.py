@@ -72,16 +72,26 @@ def test_greedy_outputs_identical(baseline, budget, monkeypatch):
     engine = dict(ENGINE, max_num_batched_tokens=max(ENGINE["max_num_batched_tokens"],
                                                      4 * (budget + 8)))
     calls = _count_attention_calls(monkeypatch)
-    llm = make_llm(ddtree_spec(budget), **engine)
+    llm = make_llm(ddtree_spec(budget), per_request_spec_decode_metrics="summary", **engine)
     # twice: the second pass hits the prefix cache built by the first
+    per_request, depth = collections.Counter(), ddtree_state(llm).depth
     for _ in range(2):
-        assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == baseline
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert _token_ids(outputs) == baseline
+        for out in outputs:  # vLLM's per-request acceptance metrics, served with trees too
+            hist = out.outputs[0].spec_decode_metrics.histogram
+            assert len(hist) == budget + 1 and not any(hist[min(budget, depth) + 1:]), hist
+            per_request.update(steps=sum(hist), drafted=out.outputs[0].spec_decode_metrics
+                               .num_draft_tokens, accepted=sum(j * n for j, n in enumerate(hist)))
     # the stock kernel ran in the steps that mix tree rows with prefill rows (for those), and
     # not in the steps of tree rows only (decoding, once the prompts are in)
     assert calls["stock mixed"] == calls["ddtree mixed"] > 0, calls
     assert calls["ddtree all tree rows"] > 0 and calls["stock all tree rows"] == 0, calls
     metrics = spec_metrics(llm)
     assert metrics["vllm:spec_decode_num_drafts"] > 0
+    assert per_request == {"steps": metrics["vllm:spec_decode_num_drafts"],
+                           "drafted": metrics["vllm:spec_decode_num_draft_tokens"],
+                           "accepted": metrics["vllm:spec_decode_num_accepted_tokens"]}
     # accepted per position: a tree of B nodes accepts at most min(B, depth) per step
     per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
     assert sum(per_pos) == metrics["vllm:spec_decode_num_accepted_tokens"]
