@@ -735,3 +735,25 @@ def test_calibration_observe_equals_the_torch_path(native):
     torch.testing.assert_close(p1, p2, rtol=1e-13, atol=0)
     assert torch.equal(o1, o2)
     assert bool((p1 > 0).any())
+
+
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
+def test_context_complete_equals_the_torch_path(native, table_dtype):
+    """Which requests' drafter context is complete (auto's cold steps), as one fused op: the
+    torch path's answer for random validity maps, scattered blocks in a block table wider
+    than needed, requests with no computed positions and ones that end mid-block."""
+    gen = torch.Generator().manual_seed(8)
+    bs, num_blocks = 4, 40
+    answers = set()
+    for trial in range(20):
+        state = TreeState(DDTreeOptions(budget=8, depth=3), torch.device("cpu"))
+        state.allocate_context_validity(num_blocks * bs)
+        table = torch.randperm(num_blocks, generator=gen)[:5 * 7].view(5, 7).to(table_dtype)
+        num_computed = torch.randint(0, 7 * bs + 1, (5,), generator=gen).tolist()
+        num_computed[trial % 5] = 0
+        cold = torch.randperm(num_blocks * bs, generator=gen)[: trial % 6]
+        state.went_cold(["a"], cold)
+        fused, ref = both_paths(native, lambda: state.context_complete(table, num_computed, bs))
+        assert fused.dtype == ref.dtype == torch.bool and torch.equal(fused, ref), trial
+        answers.update(fused.tolist())
+    assert answers == {True, False}  # both answers were exercised

@@ -11,6 +11,7 @@
 //   tree_attention_info <- vllm_ddtree.plugin.cpu_attention.tree_attention_info
 //   tree_attention_ <- cpu_attention.tree_rows_attention over the layout's gathers
 //   auto_budgets, calibration_observe_ <- vllm_ddtree.budget (auto's budget function)
+//   context_complete <- TreeState.context_complete (torch path)
 // Built on first use by vllm_ddtree.kernels.native (torch.utils.cpp_extension, cached).
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -533,6 +534,42 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> tree_attention_info(const Tensor& req
   return {rows, valid, slots, mask};
 }
 
+// TreeState.context_complete on the CPU: [R] bool, whether every position p < num_computed[r]
+// of request r (slot block_table[r, p / block_size] * block_size + p % block_size) was last
+// written by a drafter context pass (valid [num_slots] bool); block_table [>= R, max_blocks]
+// int32 or int64.
+Tensor context_complete(const Tensor& valid, const Tensor& block_table,
+                        at::IntArrayRef num_computed, int64_t block_size) {
+  check_cpu(valid, "context_valid");
+  TORCH_CHECK(valid.scalar_type() == at::kBool, "context_complete: valid must be bool");
+  TORCH_CHECK(block_table.device().is_cpu() && block_table.dim() == 2 &&
+                  block_table.stride(1) == 1 &&
+                  (block_table.scalar_type() == at::kInt || block_table.scalar_type() == at::kLong),
+              "context_complete: block_table must be a CPU int32/int64 [R, blocks] table");
+  const int64_t R = static_cast<int64_t>(num_computed.size());
+  TORCH_CHECK(R <= block_table.size(0) && block_size > 0, "context_complete: request out of range");
+  const bool* va = valid.data_ptr<bool>();
+  const int64_t num_slots = valid.numel(), stride = block_table.stride(0);
+  const bool bt32 = block_table.scalar_type() == at::kInt;
+  Tensor out = at::empty({R}, valid.options());
+  bool* ok = out.data_ptr<bool>();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n = num_computed[r];
+    TORCH_CHECK(n >= 0 && (n + block_size - 1) / block_size <= block_table.size(1),
+                "context_complete: more computed positions than the block table holds");
+    ok[r] = true;
+    for (int64_t p = 0; p < n && ok[r]; ++p) {
+      const int64_t at = r * stride + p / block_size;
+      const int64_t block = bt32 ? block_table.data_ptr<int32_t>()[at]
+                                 : block_table.data_ptr<int64_t>()[at];
+      const int64_t slot = block * block_size + p % block_size;
+      TORCH_CHECK(0 <= slot && slot < num_slots, "context_complete: slot out of range");
+      ok[r] = va[slot];
+    }
+  }
+  return out;
+}
+
 // auto's budget function (vllm_ddtree.budget: Calibration.factors, node_gains, auto_budgets)
 // for one drafting step. scores/depths: [R, B] of the full-width trees; predicted/observed:
 // [2, L] float64, the calibration (row 0 greedy, row 1 sampled requests); sampled, complete:
@@ -948,6 +985,8 @@ TORCH_LIBRARY(ddtree, m) {
         "Tensor depths, Tensor num_accepted, Tensor counted, Tensor sampled, float decay) -> ()");
   m.def("copy_slots_(Tensor(a!)[] flats, Tensor offsets, int slot_stride, Tensor slot_mapping, "
         "Tensor src_rows, Tensor dst_rows) -> ()");
+  m.def("context_complete(Tensor valid, Tensor block_table, int[] num_computed, "
+        "int block_size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ddtree, CPU, m) {
@@ -959,6 +998,7 @@ TORCH_LIBRARY_IMPL(ddtree, CPU, m) {
   m.impl("gather_trees", &gather_trees);
   m.impl("reindex_trees_", &reindex_trees_);
   m.impl("tree_attention_info", &tree_attention_info);
+  m.impl("context_complete", &context_complete);
   m.impl("tree_attention_", &tree_attention_);
   m.impl("auto_budgets", &auto_budgets);
   m.impl("calibration_observe_", &calibration_observe_);
