@@ -2,8 +2,9 @@
 
 Tiny-pair shapes (6 query heads, 2 K/V heads, head size 32, float32, vLLM's ``vec`` cache
 layout written by vLLM's own writer), ~100 or ~2000 context positions per request, R requests
-with m nodes each (and their roots); every result is checked against the torch twin (``tree_rows_attention`` over the
-layout's gathers) before it is timed. Microseconds per call, best of 3 x 200 calls.
+with m nodes each (and their roots); every result is checked against the torch twin
+(``tree_rows_attention`` over the layout's gathers) before it is timed. Microseconds per call,
+best of 3 x 200 calls.
 
     python benchmarks/cpu_tree_attention.py --label after
     # another version of the op's source, side by side in the same file (its own build):

@@ -544,10 +544,12 @@ Tensor context_complete(const Tensor& valid, const Tensor& block_table,
   TORCH_CHECK(valid.scalar_type() == at::kBool, "context_complete: valid must be bool");
   TORCH_CHECK(block_table.device().is_cpu() && block_table.dim() == 2 &&
                   block_table.stride(1) == 1 &&
-                  (block_table.scalar_type() == at::kInt || block_table.scalar_type() == at::kLong),
+                  (block_table.scalar_type() == at::kInt ||
+                   block_table.scalar_type() == at::kLong),
               "context_complete: block_table must be a CPU int32/int64 [R, blocks] table");
   const int64_t R = static_cast<int64_t>(num_computed.size());
-  TORCH_CHECK(R <= block_table.size(0) && block_size > 0, "context_complete: request out of range");
+  TORCH_CHECK(R <= block_table.size(0) && block_size > 0,
+              "context_complete: request out of range");
   const bool* va = valid.data_ptr<bool>();
   const int64_t num_slots = valid.numel(), stride = block_table.stride(0);
   const bool bt32 = block_table.scalar_type() == at::kInt;
@@ -737,10 +739,11 @@ inline float to_float(T x) {
 // head): K and V of the positions any row of the request sees are gathered in float32 from the
 // paged cache through the layout's offsets ([n * Hkv, U, D], zero past the request's last seen
 // position), the rows' queries in float32 ([n * Hkv, b * group, D]: row i, head
-// g * group + j at i * group + j; zero for padding rows) and the mask as an additive bias (0 or -inf; 0 on padding rows);
-// then one GEMM with the bias, a softmax and one GEMM (vectorised ATen kernels) for all
-// requests (a scalar loop per (request, K/V head, row) took 2-3x longer:
-// benchmarks/cpu_tree_attention.py).
+// g * group + j at i * group + j; zero for padding rows) and the mask as an additive bias (0
+// or -inf; 0 on padding rows); then one GEMM with the bias, a softmax and one GEMM (vectorised
+// ATen kernels) for all requests (a scalar loop per (request, K/V head, row) took 2-3x longer,
+// and so did a fused flash-style loop over 256-key tiles, plain or register-blocked C++:
+// benchmarks/cpu_tree_attention.py, docs/measurements.md).
 template <typename T>
 void tree_attention_impl(Tensor& output, const Tensor& query, const Tensor& flat,
                          const int64_t* offsets, int64_t slot_stride, int64_t block_size,

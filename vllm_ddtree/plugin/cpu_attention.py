@@ -10,10 +10,10 @@ has written the step's K/V before). The stock causal kernel runs only for the ro
 requests (prefills, requests without drafts): in a step where every query row is a tree row
 it does not run at all. The slots and masks of a step are built once
 (:func:`tree_attention_info`, in the metadata builder); each layer then runs two gathers, one
-batched attention over all requests and one scatter. With the fused CPU kernels (``vllm_ddtree.kernels.native``) both are one op:
-``tree_attention_info`` from the packed ancestor rows, and ``tree_attention_`` per layer,
-which reads K/V in place through the layout's offsets and writes the tree rows (the torch
-path above is its oracle in tests/test_native.py).
+batched attention over all requests and one scatter. With the fused CPU kernels
+(``vllm_ddtree.kernels.native``) both are one op: ``tree_attention_info`` from the packed
+ancestor rows, and ``tree_attention_`` per layer, which reads K/V in place through the layout's
+offsets and writes the tree rows (the torch path above is its oracle in tests/test_native.py).
 
 CPU K/V layout (one tensor per layer, ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``):
 each (block, head) holds a K half and a V half of ``block_size * head_dim`` elements, whose
@@ -303,8 +303,8 @@ class DDTreeCPUImpl(CPUAttentionBackendImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         # vLLM's K/V update (do_kv_cache_update, before this) has written the step's K/V, the
-        # verify spans' too; the stock kernel computes the causal rows of requests without a
-        # tree, then the tree rows are computed over context + ancestors
+        # verify spans' too. A step with rows outside the trees runs the stock kernel over
+        # every row (causal); the tree rows are then computed over context + ancestors
         info = getattr(attn_metadata, "ddtree", None)
         if info is None or not info.covers_all or output_scale is not None or \
                 output_block_scale is not None:  # (the stock kernel refuses these)
