@@ -298,3 +298,24 @@ def test_exact_steps_read_the_proposals_as_the_device_match_builds_them():
     got = state.begin_verify(*args, scheduled=other)
     assert not got.exact and got.matched.tolist() == [True, False, False, True]  # "p": none
     _same_verify(got, state.begin_verify(*args))
+
+
+def test_unmatched_rows_are_reported_one_period_late_without_reading_the_device(caplog):
+    """The periodic report of unmatched rows reads only the host copy that the previous report
+    started (no device read in the step's code): a report warns about what was counted up to
+    the report before it, once."""
+    from sync_checker import NoHostSync, no_host_sync
+
+    state = TreeState(DDTreeOptions(budget=BUDGET, depth=DEPTH), torch.device("cpu"))
+    checker = NoHostSync(scope=("vllm_ddtree/plugin/state.py",), allowed_reads={
+        ("plugin/state.py", "_read_host_count"): "the previous report's host copy"})
+    warned = []
+    for added in (3, 0, 2, 0, 0):
+        state._unmatched += added  # rows counted since the last report (count_unmatched)
+        caplog.clear()
+        with no_host_sync(checker):
+            state.report_unmatched()
+        warned.append([r.getMessage().split(" scheduled")[0] for r in caplog.records
+                       if "verified as chains" in r.getMessage()])
+    assert checker.num_checked > 0
+    assert warned == [[], ["ddtree: 3"], [], ["ddtree: 2"], []]

@@ -24,10 +24,12 @@ PER_STEP_FILES = tuple(f"vllm_ddtree/{name}.py" for name in (
     "plugin/patches", "plugin/state", "plugin/sampler", "plugin/proposer", "plugin/compaction",
     "plugin/cuda_attention", "plugin/features", "tree", "walk", "sampling")) + ("kernels/compact_kv.py",
                                                              "kernels/tree_attention.py")
-HOST_READS = {  # (file, function): why the tensor it reads is a host copy vLLM made for it
+HOST_READS = {  # (file, function): why the tensor it reads is a host copy made for it
     ("plugin/state.py", "clip_drafts"): "node depths copied with vLLM's draft copy, read after "
                                         "vLLM waits for that copy's event",
     ("plugin/patches.py", "_input_fits_in_drafter"): "vLLM's seq_lens_cpu_upper_bound",
+    ("plugin/state.py", "_read_host_count"): "the unmatched-row count's host copy, started by "
+                                             "the previous periodic report (~10 s before)",
 }
 # thinking budgets step vLLM's host state machine along the trees: a documented read, in steps
 # with such requests only

@@ -83,6 +83,14 @@ def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def _read_host_count(host: torch.Tensor, event: torch.cuda.Event | None) -> int:
+    """The value of a count copied to the host by an earlier report (``event``: its CUDA copy,
+    recorded a log period ago: done, so waiting on it does not stall the stream)."""
+    if event is not None:
+        event.synchronize()
+    return int(host)
+
+
 @lru_cache(maxsize=16)
 def _verify_constants(width: int, depth: int, device: torch.device):
     """Per-(width, depth) tables for :meth:`TreeState.begin_verify`, built once with device ops:
@@ -267,6 +275,8 @@ class TreeState:
         # read with the policy's periodic log line, so serving never waits for it)
         self._unmatched = torch.zeros((), dtype=torch.int64, device=device)
         self._unmatched_reported = 0
+        # the host copy of the count that the previous report started, and its CUDA event
+        self._unmatched_copy: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self.check_ranks = False  # compare each step's plan across TP ranks (ranks.py)
         self.last_num_draft: list[int] = []  # m_r of the latest verify step, host
         # What the drafter does at the end of the step in flight (plan_step): "draft",
@@ -302,14 +312,30 @@ class TreeState:
         scheduler cannot hold those drafts any more, so none arises in serving; if one did (a
         scheduler change in a new vLLM, a bug), its drafts are verified as a chain, which is
         still lossless (the walk is exact for any drafts that do not depend on the target's
-        samples), but the trees' acceptance is lost: hence the warning."""
-        total = self.num_unmatched_rows
+        samples), but the trees' acceptance is lost: hence the warning.
+
+        The count is reported one log period late, without waiting for the device: each report
+        starts an asynchronous copy of the device count to the host and reads the copy that
+        the previous report started (on CUDA, its event completed long before)."""
+        started, self._unmatched_copy = self._unmatched_copy, self._copy_unmatched()
+        if started is None:
+            return
+        total = _read_host_count(*started)
         new, self._unmatched_reported = total - self._unmatched_reported, total
         if new > 0:
             _unmatched_counter().inc(new)
             logger.warning("ddtree: %d scheduled requests had drafts that were not their "
                            "proposal and were verified as chains (%d since start); please "
                            "report this with your vLLM version", new, total)
+
+    def _copy_unmatched(self) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        if self.device.type != "cuda":
+            return self._unmatched.clone(), None
+        host = torch.empty((), dtype=torch.int64, pin_memory=True)
+        host.copy_(self._unmatched, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
 
     def count_unmatched(self, verify: VerifyBatch) -> None:
         if not verify.exact:  # an exact step has none
