@@ -6,9 +6,9 @@ unless its builder holds a :class:`TreeState` with a verify batch: then the tree
 request with drafts (its root row and its node rows) are computed with the math of the torch
 reference (:func:`vllm_ddtree.kernels.masked_attention_ref`) over the committed context plus
 the request's ancestor-only span, both read from the paged cache (vLLM's separate K/V update
-has written the step's K/V before). The stock causal kernel runs only for the rows of other
-requests (prefills, requests without drafts): in a step where every query row is a tree row
-it does not run at all. The slots and masks of a step are built once
+has written the step's K/V before). The stock causal kernel runs only in a step that has rows
+outside the trees (prefills, requests without drafts), over every row, before the tree rows are
+overwritten; in a step where every query row is a tree row it does not run at all. The slots and masks of a step are built once
 (:func:`tree_attention_info`, in the metadata builder); each layer then runs two gathers, one
 batched attention over all requests and one scatter. With the fused CPU kernels
 (``vllm_ddtree.kernels.native``) both are one op: ``tree_attention_info`` from the packed
