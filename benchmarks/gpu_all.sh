@@ -2,7 +2,8 @@
 # Everything of the kernels and stages that needs a GPU, in ONE device call (under 10 minutes):
 #   1. tests/test_kernels_*.py, tests/test_verify_steps.py and tests/test_no_sync.py natively on
 #      CUDA (fp32 at 1e-5, fp16, bf16 at 2e-2; the Triton tree build, walk and finish_verify
-#      against their torch path; the tree build, walk and HSD verify with no host sync),
+#      against their torch path; the tree build, walk and HSD verify with no host sync; the
+#      periodic unmatched-row report's pinned copy),
 #   2. benchmarks/cuda_stages.py (the verify step's stages on CUDA: equal to the CPU, launches,
 #      host syncs, CUDA graph capture) -> benchmarks/results/cuda_stages_<device>.json,
 #   3. benchmarks/kernels.py (tree_attention vs SDPA + dense mask vs FlexAttention vs causal,
@@ -32,6 +33,7 @@ status=0
 timeout 200 "$py" -m pytest -q -ra --noconftest -p no:cacheprovider \
     tests/test_kernels_attention.py tests/test_kernels_compact.py tests/test_verify_steps.py \
     tests/test_no_sync.py \
+    tests/test_plugin_state.py::test_unmatched_rows_are_reported_one_period_late_without_reading_the_device \
     2>&1 | tee "$logs/gpu_kernel_tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 

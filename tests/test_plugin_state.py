@@ -6,6 +6,7 @@ order) and the verify tree rebuilt from those nodes by hand.
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from vllm_ddtree.plugin.options import DDTreeOptions
@@ -300,13 +301,22 @@ def test_exact_steps_read_the_proposals_as_the_device_match_builds_them():
     _same_verify(got, state.begin_verify(*args))
 
 
-def test_unmatched_rows_are_reported_one_period_late_without_reading_the_device(caplog):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the pinned copy and its event need CUDA"))])
+def test_unmatched_rows_are_reported_one_period_late_without_reading_the_device(
+        caplog, monkeypatch, device):
     """The periodic report of unmatched rows reads only the host copy that the previous report
     started (no device read in the step's code): a report warns about what was counted up to
-    the report before it, once."""
+    the report before it, once, and adds the same count to the Prometheus counter. On CUDA the
+    copy is a pinned non-blocking one with an event (gpu_all.sh runs this case)."""
     from sync_checker import NoHostSync, no_host_sync
 
-    state = TreeState(DDTreeOptions(budget=BUDGET, depth=DEPTH), torch.device("cpu"))
+    import vllm_ddtree.plugin.state as state_module
+
+    counted = []
+    monkeypatch.setattr(state_module, "_unmatched_counter",
+                        lambda: SimpleNamespace(inc=counted.append))
+    state = TreeState(DDTreeOptions(budget=BUDGET, depth=DEPTH), torch.device(device))
     checker = NoHostSync(scope=("vllm_ddtree/plugin/state.py",), allowed_reads={
         ("plugin/state.py", "_read_host_count"): "the previous report's host copy"})
     warned = []
@@ -319,3 +329,4 @@ def test_unmatched_rows_are_reported_one_period_late_without_reading_the_device(
                        if "verified as chains" in r.getMessage()])
     assert checker.num_checked > 0
     assert warned == [[], ["ddtree: 3"], [], ["ddtree: 2"], []]
+    assert counted == [3, 2]
