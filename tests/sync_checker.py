@@ -2,7 +2,7 @@
 
 :class:`NoHostSync` is a ``TorchDispatchMode`` that raises :class:`HostSyncError` on the aten
 ops that force a device->host round trip (scalar reads, data-dependent shapes, copies to the
-CPU from another device). With ``scope`` it only judges ops whose nearest Python caller
+CPU from another device, except non-blocking copies into pinned memory). With ``scope`` it only judges ops whose nearest Python caller
 outside torch lives in one of the ``scope`` files, so that vLLM's own (by design) syncs around
 the plugin are not counted, and it adds the two rules that matter on a CPU-only machine,
 where every tensor is a host tensor and a sync cannot be observed directly:
@@ -56,6 +56,15 @@ def _caller() -> tuple[str, str, int]:
     return "", "", 0
 
 
+def _async_into_pinned(schema: str, args, kwargs) -> bool:
+    """A non-blocking ``copy_`` into pinned host memory: queued on the stream, no wait (the
+    host reads it later, after an event)."""
+    if schema != "aten::copy_":
+        return False
+    non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+    return bool(non_blocking) and args[0].is_pinned()
+
+
 class NoHostSync(TorchDispatchMode):
     def __init__(self, scope: tuple[str, ...] | None = None,
                  allowed_reads: dict[tuple[str, str], str] | None = None,
@@ -99,7 +108,8 @@ class NoHostSync(TorchDispatchMode):
             src = args[1] if schema == "aten::copy_" else args[0]
             dst_device = kwargs.get("device") if schema == "aten::_to_copy" else args[0].device
             if (src.device.type != "cpu" and dst_device is not None
-                    and torch.device(dst_device).type == "cpu"):
+                    and torch.device(dst_device).type == "cpu"
+                    and not _async_into_pinned(schema, args, kwargs)):
                 self._fail(f"device->host copy through {name}", where)
 
     @contextlib.contextmanager

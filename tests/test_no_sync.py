@@ -33,6 +33,21 @@ def test_checker_catches_syncs():
                 pass
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device->host copies need CUDA")
+def test_checker_allows_only_non_blocking_copies_into_pinned_memory():
+    x = torch.arange(5, device="cuda")
+    pinned = torch.empty(5, dtype=x.dtype, pin_memory=True)
+    with no_host_sync():
+        pinned.copy_(x, non_blocking=True)  # queued on the stream: no wait
+    torch.cuda.synchronize()
+    assert pinned.tolist() == [0, 1, 2, 3, 4]
+    for blocking in (lambda: x.cpu(), lambda: pinned.copy_(x),
+                     lambda: torch.empty(5, dtype=x.dtype).copy_(x, non_blocking=True)):
+        with pytest.raises(HostSyncError, match="device->host copy"):
+            with no_host_sync():
+                blocking()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_build_and_verify_have_no_host_sync(device):
     batch, depth, vocab, budget = 4, 15, 1000, 64
