@@ -1,18 +1,26 @@
 #!/usr/bin/env python
 """Where a verify step's time goes: wall time per stage, in place, for ddtree and vLLM's dflash.
 
-    .venv/bin/python benchmarks/stage_times.py [--target T --drafter D] [--budget 16]
-        [--requests 1] [--max-tokens 64] [--out benchmarks/results/stage_times_cpu.json]
+    .venv/bin/python benchmarks/stage_times.py [--target T --drafter D] [--budgets 16]
+        [--requests 1] [--max-tokens 64] [--rounds 2] [--out PATH]
 
-One in-process engine per method (the committed tiny pair unless ``--target``/``--drafter``:
-``benchmarks/oracle_pair.py`` makes a pair whose drafter is always right), greedy, a warm-up,
-then five timed ``generate`` rounds. The stages are ``benchmarks/launches.py``'s (the plugin's
-own work between the forwards, and vLLM's rejection sampler and draft argmax for ``dflash``)
-plus three of vLLM's own: the target forward (``_model_forward``: the tree rows' attention
-included), the attention metadata (``_build_attention_metadata``: ddtree's tree mask included)
-and the rest of vLLM's step (``vllm``: scheduling, input preparation, the drafter's forward).
-Each stage's time excludes the stages nested in it. Prints and writes microseconds per emitted
-token per stage (a verify step emits ``tau`` tokens: multiply by it for a step).
+Every engine runs in one process, side by side: dflash (L drafts) and ddtree (static budget)
+at each of ``--budgets`` (add L to compare a tree as wide as the chain's rows), greedy, on the
+held-out prompts of ``budget_policy.py``. After a warm-up, each prompt wave (``--requests``
+prompts at once) runs on every engine in turn, the order reversed every round, so a drift of
+the machine's speed hits every engine alike (engines run one after the other in separate
+processes drifted by 15 % here). Each engine has its own stage clock; the one of the engine
+that runs is active.
+
+The stages are ``benchmarks/launches.py``'s (the plugin's own work between the forwards, and
+vLLM's rejection sampler and draft argmax for ``dflash``) plus vLLM's own: the target forward
+(``_model_forward`` less the attention kernels), the attention kernels (every attention layer's
+``forward``: the target's, the tree rows included, and the drafter's), the attention metadata
+(``_build_attention_metadata``: ddtree's tree mask included) and the rest of vLLM's step
+(``vllm``: scheduling, input preparation, the drafter's forward, the lm_heads). Each stage's
+time excludes the stages nested in it. Prints and writes milliseconds per engine step and per
+emitted token per stage, and the tokens per step. ``--target``/``--drafter``: another pair
+(``benchmarks/oracle_pair.py`` makes one whose drafter is always right).
 """
 
 from __future__ import annotations
@@ -20,7 +28,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import json
 import os
 import sys
 import time
@@ -56,69 +63,143 @@ class StageClock(launches.Counter):
             self.seconds[self.stack.pop()] += now - self._since.pop()
             self._since[-1] = now
 
+    def resume(self) -> float:
+        """Its engine runs from now (the time since :meth:`pause` was another engine's)."""
+        self._since[-1] = time.perf_counter()
+        return self._since[-1]
+
+    def pause(self) -> float:
+        """Its engine stopped now: the time since the last stage boundary is vLLM's."""
+        now = time.perf_counter()
+        self.seconds[self.stack[-1]] += now - self._since[-1]
+        self._since[-1] = now
+        return now
+
     def reset(self) -> None:
         self.seconds.clear()
         self.stack[:] = ["vllm"]
         self._since[:] = [time.perf_counter()]
 
 
-def run_one(method: str, budget: int, num_requests: int, target: str, drafter: str,
-            max_tokens: int) -> dict:
-    from vllm import SamplingParams
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    from vllm_utils import close, make_llm
+class EngineClocks:
+    """The stage clock of the engine that runs now (``active``): what ``launches``' labels see."""
 
-    clock = StageClock()
-    if method == "ddtree":
-        spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": budget,
-                "ddtree_budget_policy": "static"}
-        launches.instrument_ddtree(clock)
-    else:
-        spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": budget}
-        launches.instrument_dflash(clock)
-    launches.label(clock, GPUModelRunner, "_model_forward", "target forward")
-    launches.label(clock, GPUModelRunner, "_build_attention_metadata", "attention metadata")
-    llm = make_llm(spec, model=target, max_num_seqs=max(8, num_requests))
-    prompts = (launches.PROMPTS * num_requests)[:num_requests]
+    def __init__(self, names: list[str]):
+        self.clocks = {name: StageClock() for name in names}
+        self.active = names[0]
+        self.steps = collections.Counter()  # engine steps per engine
+
+    def stage(self, name: str):
+        return self.clocks[self.active].stage(name)
+
+    @property
+    def verify_steps(self) -> int:
+        return self.clocks[self.active].verify_steps
+
+    @verify_steps.setter
+    def verify_steps(self, value: int) -> None:
+        self.clocks[self.active].verify_steps = value
+
+
+def instrument(clocks: EngineClocks) -> None:
+    """``launches``' stages of both methods (they patch different classes), vLLM's own, and an
+    engine-step count per engine."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_ddtree.plugin.cpu_attention import DDTreeCPUImpl
+
+    launches.instrument_ddtree(clocks)
+    launches.instrument_dflash(clocks)
+    launches.label(clocks, GPUModelRunner, "_model_forward", "target forward")
+    launches.label(clocks, GPUModelRunner, "_build_attention_metadata", "attention metadata")
+    # the stock kernel (DDTreeCPUImpl calls it through super() in mixed steps) and the tree rows
+    launches.label(clocks, CPUAttentionBackendImpl, "forward", "attention kernels")
+    launches.label(clocks, DDTreeCPUImpl, "forward", "attention kernels")
+    step = EngineCore.step
+
+    def counted_step(self, *args, **kwargs):
+        clocks.steps[clocks.active] += 1
+        return step(self, *args, **kwargs)
+
+    EngineCore.step = counted_step
+
+
+def run(configs: list[tuple[str, str, dict]], target: str, num_requests: int, max_tokens: int,
+        rounds: int, num_prompts: int) -> list[dict]:
+    import budget_policy
+    from vllm import SamplingParams
+    from vllm_utils import make_llm
+
+    clocks = EngineClocks([name for name, _, _ in configs])
+    instrument(clocks)
+    engines = {name: make_llm(spec, model=target, max_num_seqs=max(8, num_requests),
+                              kv_cache_memory_bytes=1 << 28) for name, _, spec in configs}
+    prompt_args = budget_policy.parse_args(["--target", target, "--prompt-len", "64"])
+    prompts = budget_policy.prompts_for(prompt_args, num_prompts)
+    waves = [prompts[i:i + num_requests] for i in range(0, len(prompts), num_requests)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for _ in range(2):  # warm-up: first-call paths
-        llm.generate(prompts, params, use_tqdm=False)
-    clock.reset()
-    start, tokens = time.perf_counter(), 0
-    for _ in range(5):
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
-    wall = time.perf_counter() - start
-    close(llm)
-    per_token = {stage: round(s * 1e6 / tokens, 1)
-                 for stage, s in sorted(clock.seconds.items(), key=lambda kv: -kv[1])}
-    return {"method": method, "budget": budget, "requests": num_requests,
-            "tokens_per_s": round(tokens / wall, 1), "us_per_token": per_token}
+    for name, llm in engines.items():  # warm-up: first-call paths
+        clocks.active = name
+        llm.generate(waves[0], params, use_tqdm=False)
+        clocks.clocks[name].reset()
+        clocks.clocks[name].verify_steps = 0
+    clocks.steps.clear()
+    wall, tokens = collections.Counter(), collections.Counter()
+    names = list(engines)
+    for round_ in range(rounds):
+        for wave in waves:
+            for name in (names if round_ % 2 == 0 else names[::-1]):
+                clocks.active = name
+                start = clocks.clocks[name].resume()
+                outputs = engines[name].generate(wave, params, use_tqdm=False)
+                wall[name] += clocks.clocks[name].pause() - start
+                tokens[name] += sum(len(o.outputs[0].token_ids) for o in outputs)
+    results = []
+    for name, method, spec in configs:
+        steps, clock = clocks.steps[name], clocks.clocks[name]
+        ordered = sorted(clock.seconds.items(), key=lambda kv: -kv[1])
+        results.append({
+            "method": method, "budget": spec["num_speculative_tokens"],
+            "requests": num_requests, "tokens_per_s": round(tokens[name] / wall[name], 1),
+            "engine_steps": steps, "verify_steps": clock.verify_steps,
+            "tokens_per_step": round(tokens[name] / steps, 3),
+            "ms_per_step": {stage: round(s * 1e3 / steps, 3) for stage, s in ordered},
+            "us_per_token": {stage: round(s * 1e6 / tokens[name], 1) for stage, s in ordered},
+        })
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default=os.path.join(PAIR, "target"))
     parser.add_argument("--drafter", default=os.path.join(PAIR, "drafter"))
-    parser.add_argument("--budget", type=int, default=16, help="ddtree's B (dflash drafts L)")
-    parser.add_argument("--requests", type=int, default=1)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[16],
+                        help="ddtree's static budgets B (dflash drafts L)")
+    parser.add_argument("--requests", type=int, default=1, help="prompts per wave")
+    parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                       "stage_times_cpu.json"))
-    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one method as JSON
     args = parser.parse_args()
-    if args.one:
-        result = run_one(**json.loads(args.one), target=args.target, drafter=args.drafter,
-                         max_tokens=args.max_tokens)
-        print("RESULT " + json.dumps(result), flush=True)
-        return
-    results = []
-    for method, budget in (("dflash", drafter_depth(args.drafter)), ("ddtree", args.budget)):
-        one = json.dumps({"method": method, "budget": budget, "num_requests": args.requests})
-        results.append(launches.run_child(__file__, one, [
-            "--target", args.target, "--drafter", args.drafter,
-            "--max-tokens", str(args.max_tokens)]))
-        print(json.dumps(results[-1]), flush=True)
+    depth = drafter_depth(args.drafter)
+    configs = [("dflash", "dflash", {"method": "dflash", "model": args.drafter,
+                                     "num_speculative_tokens": depth})]
+    configs += [(f"ddtree_B{b}", "ddtree", {"method": "ddtree", "model": args.drafter,
+                                            "num_speculative_tokens": b,
+                                            "ddtree_budget_policy": "static"})
+                for b in args.budgets]
+    results = run(configs, args.target, args.requests, args.max_tokens, args.rounds,
+                  args.num_prompts)
+    base = results[0]
+    for r in results:
+        print(f"{r['method']} B={r['budget']}: {r['tokens_per_s']} tokens/s "
+              f"({r['tokens_per_s'] / base['tokens_per_s']:.2f}x dflash), "
+              f"{r['tokens_per_step']} tokens/step, {sum(r['ms_per_step'].values()):.2f} ms/step")
+        for stage, ms in r["ms_per_step"].items():
+            print(f"    {stage:22s} {ms:7.3f} ms/step ({ms - base['ms_per_step'].get(stage, 0.0):+.3f})")
     launches.write_results(args.out, __file__, results)
 
 
