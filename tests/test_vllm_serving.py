@@ -83,16 +83,34 @@ def tree_engine():
 
 
 def _run_checked_steps(llm, params_list, checker):
+    """Run requests ``req0, req1, ...`` to the end, checking six of their engine steps. On any
+    failure the requests are aborted and the engine drained before the error goes on, so the
+    next test of a class that shares the engine starts clean (left running, they made it
+    hang until the test timeout)."""
     engine = llm.llm_engine
-    for i, params in enumerate(params_list):
-        engine.add_request(f"req{i}", PROMPTS[i % len(PROMPTS)], params)
-    for _ in range(3):  # prefill and the first proposals, unchecked
-        engine.step()
-    with no_host_sync(checker):
-        for _ in range(6):
+    req_ids = [f"req{i}" for i in range(len(params_list))]
+    for i, (req_id, params) in enumerate(zip(req_ids, params_list)):
+        engine.add_request(req_id, PROMPTS[i % len(PROMPTS)], params)
+    try:
+        for _ in range(3):  # prefill and the first proposals, unchecked
             engine.step()
-    while engine.has_unfinished_requests():
+        with no_host_sync(checker):
+            for _ in range(6):
+                engine.step()
+        _drain(engine)
+    except BaseException:
+        engine.abort_request(req_ids)
+        _drain(engine)
+        raise
+
+
+def _drain(engine, max_steps: int = 2000) -> None:
+    """Step until no request is left; a bounded loop, so an engine that never finishes fails."""
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return
         engine.step()
+    raise AssertionError(f"requests still unfinished after {max_steps} engine steps")
 
 
 MIXED = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
@@ -153,9 +171,10 @@ class TestTreeEngine:
         checker = NoHostSync(scope=PER_STEP_FILES, allowed_uploads=UPLOADS)
         with pytest.raises(HostSyncError, match="_input_fits_in_drafter"):
             _run_checked_steps(tree_engine, MIXED[:1], checker)
-        tree_engine.llm_engine.abort_request(["req0"])
-        while tree_engine.llm_engine.has_unfinished_requests():
-            tree_engine.llm_engine.step()
+        assert not tree_engine.llm_engine.has_unfinished_requests()  # aborted and drained
+        # the engine serves the class's next run after the failure inside its step
+        _run_checked_steps(tree_engine, MIXED[:1], NoHostSync(
+            scope=PER_STEP_FILES, allowed_reads=HOST_READS, allowed_uploads=UPLOADS))
 
 
 def test_hsd_chain_steps_have_no_host_sync_in_plugin_code():
