@@ -199,7 +199,8 @@ def main() -> None:
               f"({r['tokens_per_s'] / base['tokens_per_s']:.2f}x dflash), "
               f"{r['tokens_per_step']} tokens/step, {sum(r['ms_per_step'].values()):.2f} ms/step")
         for stage, ms in r["ms_per_step"].items():
-            print(f"    {stage:22s} {ms:7.3f} ms/step ({ms - base['ms_per_step'].get(stage, 0.0):+.3f})")
+            more = ms - base["ms_per_step"].get(stage, 0.0)
+            print(f"    {stage:22s} {ms:7.3f} ms/step ({more:+.3f} against dflash)")
     launches.write_results(args.out, __file__, results)
 
 

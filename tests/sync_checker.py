@@ -2,10 +2,11 @@
 
 :class:`NoHostSync` is a ``TorchDispatchMode`` that raises :class:`HostSyncError` on the aten
 ops that force a device->host round trip (scalar reads, data-dependent shapes, copies to the
-CPU from another device, except non-blocking copies into pinned memory). With ``scope`` it only judges ops whose nearest Python caller
-outside torch lives in one of the ``scope`` files, so that vLLM's own (by design) syncs around
-the plugin are not counted, and it adds the two rules that matter on a CPU-only machine,
-where every tensor is a host tensor and a sync cannot be observed directly:
+CPU from another device, except non-blocking copies into pinned memory). With ``scope`` it
+only judges ops whose nearest Python caller outside torch lives in one of the ``scope`` files,
+so that vLLM's own (by design) syncs around the plugin are not counted, and it adds the two
+rules that matter on a CPU-only machine, where every tensor is a host tensor and a sync cannot
+be observed directly:
 
 - no value reads (``.tolist()``, ``.numpy()``, ``.item()``, ``int()``/``bool()`` of a tensor)
   in scoped code: on a GPU each one is a synchronisation (``allowed_reads``: functions that
