@@ -171,8 +171,11 @@ def test_dp2_server_default_policy(tmp_path, plain, seeded):
         os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     try:
         demo.wait_healthy(proc, port, 300.0, log_path)
+        # a new connection per request: a pooled keep-alive connection that the server closes
+        # (uvicorn's 5 s idle timeout) just as a thread reuses it fails the request without a
+        # response ("Server disconnected"), and retries are off
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="EMPTY", max_retries=0,
-                        timeout=WATCHDOG_S)
+                        timeout=WATCHDOG_S, default_headers={"Connection": "close"})
         extra = {"ignore_eos": True, "return_token_ids": True}
 
         def ask(i: int):

@@ -483,7 +483,10 @@ def server(plain, tmp_path_factory):
 def client(server):
     from openai import OpenAI
 
-    return OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key="EMPTY", max_retries=0, timeout=120)
+    # a new connection per request (test_vllm_parallel.py: a pooled keep-alive connection that
+    # the server closes as it is reused fails the request, and retries are off)
+    return OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key="EMPTY", max_retries=0,
+                  timeout=120, default_headers={"Connection": "close"})
 
 
 @pytest.fixture(scope="module")
