@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Acceptance (tau = mean tokens per target forward, bonus included) on held-out prompts.
 
-Methods: the DFlash argmax chain, DDTree at budgets {2, ..., 128}, the sampled chain verified by
-capped HSD vs token-wise, at temperatures 0 and 1, through the transformers engine; with
+Methods: the DFlash argmax chain, DDTree at budgets {2, ..., 128} (and at each
+``--tree-temperatures`` t: trees from softmax(drafter logits / t), the plugin's
+``ddtree_tree_temperature``), the sampled chain verified by capped HSD vs token-wise, at
+temperatures 0 and 1, through the transformers engine; with
 ``--vllm`` also vLLM's own ``dflash`` and (when the plugin registers it) ``ddtree`` on the CPU.
 Prints a table, writes JSON and a PNG (tau vs budget) to benchmarks/results/.
 
@@ -11,6 +13,7 @@ Usage::
     .venv/bin/python benchmarks/acceptance.py                    # ~2-5 min on 2 CPU cores (8 prompts x 48 tokens)
     .venv/bin/python benchmarks/acceptance.py --num-prompts 4 --max-new-tokens 32 --budgets 4 64
     .venv/bin/python benchmarks/acceptance.py --vllm             # adds the vLLM rows
+    .venv/bin/python benchmarks/acceptance.py --temperatures 0 --tree-temperatures 0.8 0.9 1
 """
 
 from __future__ import annotations
@@ -37,16 +40,19 @@ def run_hf(args) -> list[dict]:
     prompts = heldout_prompts(tokenizer, args.num_prompts, args.prompt_len)
     rows = []
     for temperature in args.temperatures:
-        configs = [("chain", drafter.block_size - 1)] + [("ddtree", b) for b in args.budgets]
-        configs += [("chain_hsd", drafter.block_size - 1), ("chain_tokenwise", drafter.block_size - 1)]
-        for method, budget in configs:
+        L = drafter.block_size - 1
+        configs = [("chain", L, 1.0)]
+        configs += [("ddtree", b, t) for t in args.tree_temperatures for b in args.budgets]
+        configs += [("chain_hsd", L, 1.0), ("chain_tokenwise", L, 1.0)]
+        for method, budget, tree_temperature in configs:
             t0 = time.time()
             r = measure_tau(target, drafter, prompts, method, budget=budget, temperature=temperature,
-                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+                            max_new_tokens=args.max_new_tokens, seed=args.seed,
+                            tree_temperature=tree_temperature)
             r.update(engine="hf", seconds=time.time() - t0)
             rows.append(r)
-            print(f"  hf   T={temperature:g} {method:16s} B={budget:4d} tau={r['tau']:.3f} "
-                  f"({r['rounds']} rounds, {r['seconds']:.1f}s)", flush=True)
+            print(f"  hf   T={temperature:g} t={tree_temperature:g} {method:16s} B={budget:4d} "
+                  f"tau={r['tau']:.3f} ({r['rounds']} rounds, {r['seconds']:.1f}s)", flush=True)
     return rows
 
 
@@ -97,10 +103,11 @@ def run_vllm(args) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'engine':6s} {'T':>3s} {'method':16s} {'B':>5s} {'tau':>7s}"]
+    lines = [f"{'engine':6s} {'T':>3s} {'t':>4s} {'method':16s} {'B':>5s} {'tau':>7s}"]
     for r in rows:
         tau = f"{r['tau']:7.3f}" if "tau" in r else "  error"
-        lines.append(f"{r['engine']:6s} {r['temperature']:3g} {r['method']:16s} {r['budget']:5d} {tau}")
+        lines.append(f"{r['engine']:6s} {r['temperature']:3g} {r.get('tree_temperature', 1.0):4g} "
+                     f"{r['method']:16s} {r['budget']:5d} {tau}")
     return "\n".join(lines)
 
 
@@ -111,12 +118,17 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    tree_temperatures = sorted({r.get("tree_temperature", 1.0) for r in rows})
     for i, temperature in enumerate(sorted({r["temperature"] for r in rows})):
         color = f"C{i}"
-        pts = sorted((r["budget"], r["tau"]) for r in rows
-                     if r["engine"] == "hf" and r["method"] == "ddtree" and r["temperature"] == temperature)
-        if pts:
-            ax.plot(*zip(*pts), "o-", color=color, label=f"DDTree T={temperature:g}")
+        for j, t in enumerate(tree_temperatures):
+            pts = sorted((r["budget"], r["tau"]) for r in rows
+                         if r["engine"] == "hf" and r["method"] == "ddtree"
+                         and r["temperature"] == temperature
+                         and r.get("tree_temperature", 1.0) == t)
+            if pts:
+                ax.plot(*zip(*pts), "os^vd"[j % 5] + "-", color=color,
+                        label=f"DDTree T={temperature:g}" + (f" t={t:g}" if t != 1.0 else ""))
         for r in rows:
             if r["engine"] == "hf" and r["temperature"] == temperature and r["method"] != "ddtree":
                 style = {"chain": "--", "chain_hsd": ":", "chain_tokenwise": "-."}[r["method"]]
@@ -139,6 +151,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--budgets", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64, 128])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--tree-temperatures", type=float, nargs="+", default=[1.0],
+                    help="ddtree_tree_temperature values for the DDTree rows")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vllm", action="store_true", help="also measure through vLLM on the CPU")
@@ -155,7 +169,8 @@ def main() -> None:
     for temperature in args.temperatures:
         chain = [r["tau"] for r in rows if r["engine"] == "hf" and r["method"] == "chain" and r["temperature"] == temperature]
         b64 = [r["tau"] for r in rows if r["engine"] == "hf" and r["method"] == "ddtree"
-               and r["budget"] == 64 and r["temperature"] == temperature]
+               and r["budget"] == 64 and r["temperature"] == temperature
+               and r.get("tree_temperature", 1.0) == 1.0]
         if chain and b64:
             summary[f"ddtree_B64_over_chain_T{temperature:g}"] = b64[0] / chain[0]
     print("summary:", json.dumps(summary))

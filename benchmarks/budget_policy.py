@@ -3,9 +3,11 @@
 
 Configurations: plain decoding, vLLM's own DFlash chain (L drafts), ddtree with a static budget
 B in ``--budgets``, ddtree with ``ddtree_budget_policy: "auto"`` (maximum budget = the
-largest B), and ``ddtree_paused`` (the table ``[[1, 0]]``: the drafter never drafts), the floor
-of any budget policy inside vLLM's speculative engine: its steps carry the speculative
-bookkeeping and the drafter's context pass, which plain decoding does not.
+largest B), each of these at every ``--tree-temperatures`` t (``ddtree_tree_temperature``; a
+name ends in ``_t<t>`` where t is not 1), and ``ddtree_paused`` (the table ``[[1, 0]]``: the
+drafter never drafts), the floor of any budget policy inside vLLM's speculative engine: its
+steps carry the speculative bookkeeping and the drafter's context pass, which plain decoding
+does not.
 
 Workload: at concurrency c, the ``--num-prompts`` held-out prompts run in waves of c requests
 (one ``generate`` call each, all submitted at once, ``--max-tokens`` output tokens each with
@@ -73,7 +75,11 @@ def parse_args(argv=None):
                         "configuration's warm-up time at each concurrency to reach this "
                         "(1 pass: 0)")
     p.add_argument("--only", nargs="+", default=None,
-                   help="configuration names to run (plain, dflash, ddtree_B<b>, ddtree_auto, ddtree_paused)")
+                   help="configuration names to run (plain, dflash, ddtree_B<b>, ddtree_auto, "
+                        "ddtree_paused; ddtree_B<b>_t<t>, ddtree_auto_t<t>)")
+    p.add_argument("--tree-temperatures", type=float, nargs="+", default=[1.0],
+                   help="ddtree_tree_temperature of the static and auto configurations (one "
+                        "set each; names end in _t<t> where t is not 1)")
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
                    help="GPU: the share of its memory for all engines together")
@@ -90,12 +96,15 @@ def configurations(args, depth: int) -> list[tuple[str, dict | None]]:
     configs = [("plain", None),
                ("dflash", {"method": "dflash", "model": args.drafter,
                            "num_speculative_tokens": depth})]
-    configs += [(f"ddtree_B{b}", {"method": "ddtree", "model": args.drafter,
-                                   "num_speculative_tokens": b,
-                                   "ddtree_budget_policy": "static"}) for b in args.budgets]
-    configs.append(("ddtree_auto", {"method": "ddtree", "model": args.drafter,
-                                     "num_speculative_tokens": top,
-                                     "ddtree_budget_policy": "auto"}))
+    for t in args.tree_temperatures:
+        suffix, extra = ("", {}) if t == 1.0 else (f"_t{t:g}", {"ddtree_tree_temperature": t})
+        configs += [(f"ddtree_B{b}{suffix}", {"method": "ddtree", "model": args.drafter,
+                                               "num_speculative_tokens": b,
+                                               "ddtree_budget_policy": "static", **extra})
+                    for b in args.budgets]
+        configs.append((f"ddtree_auto{suffix}", {"method": "ddtree", "model": args.drafter,
+                                                  "num_speculative_tokens": top,
+                                                  "ddtree_budget_policy": "auto", **extra}))
     # the floor of every policy inside vLLM's speculative engine: the drafter never drafts
     # (only its context pass runs), every step samples like plain decoding
     configs.append(("ddtree_paused", {"method": "ddtree", "model": args.drafter,
@@ -305,19 +314,22 @@ def main(argv=None) -> None:
     import vllm
 
     best = {c: max(r["tokens_per_s"][c] for r in rows) for c in args.concurrency}
-    print(f"\n{'config':12s} " + " ".join(f"{'c=' + str(c):>16s}" for c in args.concurrency))
+    print(f"\n{'config':18s} " + " ".join(f"{'c=' + str(c):>16s}" for c in args.concurrency))
     for r in rows:
         cells = [f"{r['tokens_per_s'][c]:8.1f} ({r['tokens_per_s'][c] / best[c]:.2f}x)"
                  for c in args.concurrency]
-        print(f"{r['name']:12s} " + " ".join(f"{cell:>16s}" for cell in cells))
+        print(f"{r['name']:18s} " + " ".join(f"{cell:>16s}" for cell in cells))
     summary = {}
-    auto = next((r for r in rows if r["name"] == "ddtree_auto"), None)
+    # auto (the first, t = 1 where it ran) against the best of everything a user could pick
+    # instead: plain decoding, dflash and every static budget (at every tree temperature)
+    auto = next((r for r in rows if r["name"].startswith("ddtree_auto")), None)
     if auto is not None:
-        others = [r for r in rows if r["name"] not in ("ddtree_auto", "dflash", "ddtree_paused")]
+        others = [r for r in rows
+                  if not r["name"].startswith("ddtree_auto") and r["name"] != "ddtree_paused"]
         for c in args.concurrency:
             rival = max(others, key=lambda r: r["tokens_per_s"][c]) if others else None
             if rival is not None:
-                summary[c] = {"best_of_plain_and_static": rival["name"],
+                summary[c] = {"auto": auto["name"], "best_of_the_others": rival["name"],
                               "auto_over_it": auto["tokens_per_s"][c] / rival["tokens_per_s"][c],
                               "auto_over_it_paired": paired(rival, auto, c)}
             paused = next((r for r in rows if r["name"] == "ddtree_paused"), None)
@@ -326,10 +338,10 @@ def main(argv=None) -> None:
                 summary[c]["paused_over_plain"] = (paused["tokens_per_s"][c]
                                                    / plain["tokens_per_s"][c])
                 summary[c]["paused_over_plain_paired"] = paired(plain, paused, c)
-        print("\nauto / best of plain and static B (ratio of medians; median of per-round "
-              "ratios): " + ", ".join(
+        print(f"\n{auto['name']} / best of plain, dflash and static B (ratio of medians; "
+              "median of per-round ratios): " + ", ".join(
                   f"c={c}: {v['auto_over_it']:.3f}; {v['auto_over_it_paired']:.3f} "
-                  f"(vs {v['best_of_plain_and_static']})" for c, v in summary.items()))
+                  f"(vs {v['best_of_the_others']})" for c, v in summary.items()))
         if all("paused_over_plain" in v for v in summary.values()):
             print("never drafting (the floor of any policy) / plain: " + ", ".join(
                 f"c={c}: {v['paused_over_plain']:.3f}; {v['paused_over_plain_paired']:.3f}"
@@ -344,7 +356,7 @@ def main(argv=None) -> None:
         "versions": {"torch": torch.__version__, "vllm": vllm.__version__},
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "rows": rows,
-        "auto_vs_best_of_plain_and_static": summary,
+        "auto_vs_best_of_the_others": summary,
     }
     with open(out, "w") as f:
         json.dump(record, f, indent=1)

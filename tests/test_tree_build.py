@@ -280,6 +280,27 @@ def test_int_tensor_and_function_budgets_agree():
     assert torch.equal(seen["depths"], full.depths)
 
 
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_tree_temperature_is_the_tree_of_the_scaled_logits(native, monkeypatch):
+    """``temperature=t`` (``ddtree_tree_temperature``) builds the heap's tree of ``logits / t``
+    on both paths (the fused CPU op and torch), for int, tensor and function budgets; a
+    sharper law (t < 1) grows deeper trees, a flatter one (t > 1) wider ones."""
+    monkeypatch.setenv("VLLM_DDTREE_NATIVE", native)
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 5, 50, generator=gen) * 2.0
+    mean_depth = {}
+    for t in (0.5, 1.0, 2.0):
+        tree = build_tree(logits, 32, temperature=t)
+        _check_structure(tree)
+        _assert_equal_to_reference(tree, reference_build_tree(logits / t, 32))
+        for budget in (torch.full((6,), 11), lambda scores, depths: torch.full((6,), 11)):
+            cut = build_tree(logits, budget, max_budget=32, temperature=t)
+            assert torch.equal(cut.token_ids[:, :11], tree.token_ids[:, :11])
+            assert cut.num_nodes.tolist() == [11] * 6
+        mean_depth[t] = tree.depths.float().mean().item()
+    assert mean_depth[0.5] > mean_depth[1.0] > mean_depth[2.0], mean_depth
+
+
 def test_ancestor_mask_from_node_parents():
     """``_ancestor_mask`` (the plugin rebuilds masks of re-indexed or chain trees with it)
     equals the row-by-row reference, padding rows (-1) hanging off the root."""

@@ -80,7 +80,8 @@ def test_valid_config_is_accepted_and_tagged():
     assert config.speculative_config.method == "dflash"
     assert config.speculative_config.num_speculative_tokens == 8
     assert config.additional_config["ddtree"] == {"budget": 8, "depth": BLOCK_SIZE - 1,
-                                                  "mode": "tree", "budget_policy": "static"}
+                                                  "mode": "tree", "budget_policy": "static",
+                                                  "tree_temperature": 1.0}
     assert config.speculative_config.ddtree_options.budget == 8
     # the drafter runs its bonus + L mask queries, whatever B: L + 1 lookahead K/V slots and
     # L drafter slots of the token budget (vLLM's dflash reserves B + 1 and B)
@@ -117,7 +118,8 @@ def test_missing_drafter_model():
 
 def test_unknown_ddtree_option():
     assert_config_error(ddtree_spec(8, ddtree_foo=1), "unknown option", "ddtree_foo",
-                        "ddtree_depth", "ddtree_mode", "ddtree_budget_policy")
+                        "ddtree_depth", "ddtree_mode", "ddtree_budget_policy",
+                        "ddtree_tree_temperature")
 
 
 def test_invalid_mode():
@@ -172,6 +174,29 @@ def test_default_budget_policy(mode, default):
 def test_budget_policy_needs_tree_mode():
     assert_config_error(ddtree_spec(4, ddtree_mode="hsd_chain", ddtree_budget_policy="auto"),
                         "ddtree_budget_policy='auto'", "ddtree_mode 'tree'", "'static'")
+
+
+@pytest.mark.parametrize("temperature", [0.05, 0.85, 1, 20])
+def test_tree_temperatures_are_accepted(temperature):
+    config = engine_config(ddtree_spec(8, ddtree_tree_temperature=temperature))
+    stored = config.additional_config["ddtree"]["tree_temperature"]
+    assert stored == temperature and isinstance(stored, float)
+    assert config.speculative_config.ddtree_options.tree_temperature == temperature
+
+
+@pytest.mark.parametrize("temperature", [0, -1.0, 0.01, 21, float("nan"), float("inf"), "0.8",
+                                         True, None])
+def test_invalid_tree_temperature(temperature):
+    assert_config_error(ddtree_spec(8, ddtree_tree_temperature=temperature),
+                        f"ddtree_tree_temperature={temperature!r}", "a number in [0.05, 20]")
+
+
+def test_tree_temperature_needs_tree_mode():
+    assert_config_error(ddtree_spec(4, ddtree_mode="hsd_chain", ddtree_tree_temperature=0.8),
+                        "ddtree_tree_temperature=0.8", "ddtree_mode 'tree'", "leave it out")
+    # 1.0 (the default, spelled out) changes nothing and is accepted
+    spec = ddtree_spec(4, ddtree_mode="hsd_chain", ddtree_tree_temperature=1.0)
+    assert engine_config(spec).additional_config["ddtree"]["mode"] == "hsd_chain"
 
 
 def test_hsd_chain_budget_beyond_depth():

@@ -184,13 +184,15 @@ def test_drafter_with_other_attention_shapes(handmade, budget):
     close(llm)
 
 
-@pytest.mark.parametrize("pair", ["tiny", "handmade"])
-def test_acceptance_equals_the_transformers_engine(request, pair):
+@pytest.mark.parametrize("pair, tree_temperature", [("tiny", 1.0), ("handmade", 0.8)])
+def test_acceptance_equals_the_transformers_engine(request, pair, tree_temperature):
     """Round for round, vLLM with ddtree accepts what the independent transformers engine
     (vllm_ddtree.hf, its own drafter and KV cache, never clipped) accepts on the same prompts at
     T = 0: the drafter's context after compaction is the committed text's, so nothing is lost
     in vLLM. Rounds that start with fewer than L + 1 tokens left are clipped in vLLM (only the
-    usable nodes are drafted), so there only the emitted text is compared."""
+    usable nodes are drafted), so there only the emitted text is compared. The handmade pair
+    runs at ``ddtree_tree_temperature`` 0.8 (other trees than at 1.0, checked on the
+    transformers engine): the option reaches vLLM's trees."""
     from vllm_utils import DRAFTER, TARGET
 
     from vllm_ddtree.hf.engine import generate
@@ -201,9 +203,14 @@ def test_acceptance_equals_the_transformers_engine(request, pair):
     target, drafter, tokenizer = load_pair(target_dir, drafter_dir)
     depth, max_new = drafter.block_size - 1, 40
     prompts = heldout_prompts(tokenizer, 4, prompt_len=48)
-    hf = [generate(target, drafter, p, method="ddtree", budget=32, max_new_tokens=max_new)
-          for p in prompts]
-    llm = make_llm(ddtree_spec(32, model=drafter_dir), model=target_dir)
+    hf = [generate(target, drafter, p, method="ddtree", budget=32, max_new_tokens=max_new,
+                   tree_temperature=tree_temperature) for p in prompts]
+    if tree_temperature != 1.0:
+        at_one = [generate(target, drafter, p, method="ddtree", budget=32,
+                           max_new_tokens=max_new).acceptance_lengths for p in prompts]
+        assert at_one != [r.acceptance_lengths for r in hf], "the same trees as at 1.0"
+    llm = make_llm(ddtree_spec(32, model=drafter_dir, ddtree_tree_temperature=tree_temperature),
+                   model=target_dir)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     for i, p in enumerate(prompts):

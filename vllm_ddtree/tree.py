@@ -150,9 +150,11 @@ def unpack_mask(words: torch.Tensor, n: int) -> torch.Tensor:
     return unpacked.flatten(-2)[..., :n].bool()
 
 
-def _top_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-``k`` log-probabilities per depth, in ``torch.topk``'s order (equal values in any
-    order): ``(values [batch, L, k] float32, token_ids [batch, L, k] int64)``.
+def _top_log_probs(draft_logits: torch.Tensor, k: int,
+                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` log-probabilities of ``softmax(draft_logits / temperature)`` per depth, in
+    ``torch.topk``'s order (equal values in any order): ``(values [batch, L, k] float32,
+    token_ids [batch, L, k] int64)``.
 
     One fused log-softmax, then top-k (measured on CPU: 2x faster than top-k of the raw logits
     minus a logsumexp, which PyTorch runs as several unfused passes), one chunk of
@@ -167,15 +169,18 @@ def _top_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, to
     values = torch.empty(batch * depth, k, dtype=torch.float32, device=draft_logits.device)
     token_ids = torch.empty(batch * depth, k, dtype=torch.int64, device=draft_logits.device)
     for start, end in row_chunks(batch * depth, vocab):
-        log_probs = torch.log_softmax(flat[start:end], dim=-1, dtype=torch.float32)
+        chunk = flat[start:end] if temperature == 1.0 else flat[start:end] / temperature
+        log_probs = torch.log_softmax(chunk, dim=-1, dtype=torch.float32)
+        del chunk
         torch.topk(log_probs, k, dim=-1, out=(values[start:end], token_ids[start:end]))
         del log_probs  # before the next chunk's
     return values.view(batch, depth, k), token_ids.view(batch, depth, k)
 
 
-def _ranked_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _ranked_log_probs(draft_logits: torch.Tensor, k: int,
+                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_top_log_probs` in rank order (value desc, then token id asc)."""
-    values, token_ids = _top_log_probs(draft_logits, k)
+    values, token_ids = _top_log_probs(draft_logits, k, temperature)
     # topk may order equal values arbitrarily: re-sort by (value desc, token id asc) with a
     # stable sort over the id-sorted list.
     token_ids, by_id = token_ids.sort(dim=-1)
@@ -283,6 +288,7 @@ def build_tree(
     draft_logits: torch.Tensor,
     budget: int | torch.Tensor | BudgetFn,
     max_budget: int | None = None,
+    temperature: float = 1.0,
 ) -> DraftTree:
     """The top-B prefixes of every request's factorised draft distribution, as a tree.
 
@@ -296,6 +302,8 @@ def build_tree(
             keeps its first ``budget[r]`` nodes (``vllm_ddtree.budget`` uses this).
         max_budget: the padded width B of the outputs; required with a tensor or a function
             ``budget``, defaults to ``budget`` when it is an int.
+        temperature: the distributions are ``softmax(draft_logits / temperature)`` (1.0: the
+            drafter's own, DDTree's tree; ``ddtree_tree_temperature``, plugin/options.py).
 
     Returns:
         A :class:`DraftTree` on ``draft_logits.device`` with ``[batch, max_budget]`` fields.
@@ -343,18 +351,19 @@ def build_tree(
     k = min(num_slots, vocab)
     ops = cpu_ops(device)
     if ops is not None:  # the fused CPU kernel: the same tree in 3 ops
-        return _build_tree_fused(draft_logits, budget, budget_fn, num_slots, k, ops.build_tree,
+        return _build_tree_fused(draft_logits, budget, budget_fn, num_slots, k, temperature,
+                                 ops.build_tree,
                                  lambda values, ids, fields, budgets: ops.first_nodes(
                                      *fields, budgets))
     if triton_stages(device) and num_slots <= MAX_TRITON_BUDGET:
         # the Triton kernel on CUDA: one launch (two with per-request budgets: the heap runs
         # again, stopping at each request's budget)
-        return _build_tree_fused(draft_logits, budget, budget_fn, num_slots, k,
+        return _build_tree_fused(draft_logits, budget, budget_fn, num_slots, k, temperature,
                                  build_tree_triton,
                                  lambda values, ids, fields, budgets: build_tree_triton(
                                      values, ids, budgets, num_slots))
 
-    top_values, top_ids = _ranked_log_probs(draft_logits, k)  # [batch, L, k] each
+    top_values, top_ids = _ranked_log_probs(draft_logits, k, temperature)  # [batch, L, k] each
     pair_i, pair_j = _candidate_pairs(num_slots, k, device)  # [P] each
     entries = _entries(num_slots, k, depth, device)
 
@@ -437,14 +446,14 @@ def build_tree(
 
 
 def _build_tree_fused(draft_logits: torch.Tensor, budget, budget_fn: BudgetFn | None,
-                      max_budget: int, k: int, build, keep) -> DraftTree:
+                      max_budget: int, k: int, temperature: float, build, keep) -> DraftTree:
     """:func:`build_tree` with a fused op: the ranking and DDTree's best-first heap per request
     in one call, ``build(values, token_ids, budget, max_budget)`` (the CPU op
     ``torch.ops.ddtree.build_tree``, kernels/csrc/ddtree_cpu.cpp, or the Triton kernel
     ``build_tree_triton``). A budget function or tensor builds the full-width tree first, then
     ``keep(values, token_ids, fields, budgets)`` keeps each request's first ``budget[r]`` nodes
     (a best-first prefix is a subtree)."""
-    values, token_ids = _top_log_probs(draft_logits, k)
+    values, token_ids = _top_log_probs(draft_logits, k, temperature)
     width_budget = max_budget if budget_fn is not None or isinstance(budget, torch.Tensor) \
         else int(budget)
     fields = build(values, token_ids, width_budget, max_budget)

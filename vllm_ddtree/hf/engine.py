@@ -167,12 +167,14 @@ def generate(
     stop_token_ids: list[int] | None = None,
     timing: bool = False,
     generator: torch.Generator | None = None,
+    tree_temperature: float = 1.0,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` (``[1, n]`` or a list).
 
     ``budget`` (B) is the tree size for ``"ddtree"``; the chain methods draft L = block_size - 1
-    tokens. ``timing=True`` records the draft / tree / verify / commit seconds of every round
-    (synchronising CUDA around each stage).
+    tokens; ``tree_temperature`` scales the drafter's logits before the tree is built
+    (``build_tree``'s ``temperature``). ``timing=True`` records the draft / tree / verify /
+    commit seconds of every round (synchronising CUDA around each stage).
     """
     from transformers import DynamicCache
 
@@ -232,7 +234,7 @@ def generate(
         if method == "ar":
             tree = chain_tree(torch.empty(1, 0, dtype=torch.long, device=device))
         elif method == "ddtree":
-            tree = build_tree(draft_logits, budget)
+            tree = build_tree(draft_logits, budget, temperature=tree_temperature)
         elif method == "chain":
             tree = chain_tree(draft_logits.argmax(-1))
         else:

@@ -41,19 +41,22 @@ def heldout_prompts(tokenizer, num: int, prompt_len: int = 64) -> list[list[int]
 
 
 def measure_tau(target, drafter, prompts, method: str, budget: int = 32, temperature: float = 0.0,
-                max_new_tokens: int = 64, seed: int = 0, stop_token_ids=None) -> dict:
+                max_new_tokens: int = 64, seed: int = 0, stop_token_ids=None,
+                tree_temperature: float = 1.0) -> dict:
     """tau over all rounds of all prompts (rounds pooled), plus the per-prompt mean."""
     gen = torch.Generator(device=target.device).manual_seed(seed)
     lengths, per_prompt = [], []
     for ids in prompts:
         res = generate(target, drafter, ids, method=method, budget=budget, temperature=temperature,
-                       max_new_tokens=max_new_tokens, generator=gen, stop_token_ids=stop_token_ids)
+                       max_new_tokens=max_new_tokens, generator=gen, stop_token_ids=stop_token_ids,
+                       tree_temperature=tree_temperature)
         lengths += res.acceptance_lengths
         per_prompt.append(res.tau)
     return {
         "method": method,
         "budget": budget,
         "temperature": temperature,
+        "tree_temperature": tree_temperature,
         "tau": sum(lengths) / max(len(lengths), 1),
         "rounds": len(lengths),
         "tau_per_prompt": per_prompt,

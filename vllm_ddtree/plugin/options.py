@@ -7,7 +7,8 @@ User-facing keys (everything else passes through to vLLM's ``SpeculativeConfig``
      "num_speculative_tokens": 64,       # B: tree budget = draft nodes per request, 1..1024
      "ddtree_depth": 15,                 # optional: L, default drafter block_size - 1
      "ddtree_mode": "tree",              # optional: "tree" (default) or "hsd_chain"
-     "ddtree_budget_policy": "auto"}     # optional: "auto", "static" or [[max_reqs, B], ...]
+     "ddtree_budget_policy": "auto",     # optional: "auto", "static" or [[max_reqs, B], ...]
+     "ddtree_tree_temperature": 1.0}     # optional: trees from softmax(drafter logits / this)
 
 ``ddtree_budget_policy`` sizes each request's tree per step (``num_speculative_tokens`` is the
 maximum): ``"auto"`` (the default in tree mode) chooses per-request budgets that maximise
@@ -22,6 +23,14 @@ requests (the last row beyond its bound).
 drafter's distributions at each request's temperature and verifies it with the lossless HSD
 sampler (:func:`vllm_ddtree.sampling.hsd_verify`); greedy requests get argmax chains.
 
+``ddtree_tree_temperature`` (tree mode, > 0, default 1.0) scales the drafter's logits before
+the tree is built: the tree is the top-B prefixes of ``softmax(logits / t)`` per depth. 1.0 is
+DDTree's tree. A drafter whose top token is right more often than its probability says (an
+underconfident one) accepts more with ``t < 1``, which favours deep paths over siblings. Any
+tree is verified losslessly, so ``t`` changes acceptance and speed, never the output; measure
+it per drafter (``benchmarks/acceptance.py --tree-temperatures``). Sampled chains
+(``"hsd_chain"``) draft from the request's own temperature and refuse the option.
+
 Inside vLLM the method stays ``"dflash"`` (its DFlash drafter, model and KV plumbing are
 reused) and these options travel in ``additional_config["ddtree"]``.
 """
@@ -32,7 +41,8 @@ import dataclasses
 from dataclasses import asdict, dataclass
 
 MAX_BUDGET = 1024  # the Triton kernels and the mask packing are tested up to 1024 nodes
-OPTION_KEYS = ("ddtree_depth", "ddtree_mode", "ddtree_budget_policy")
+OPTION_KEYS = ("ddtree_depth", "ddtree_mode", "ddtree_budget_policy",
+               "ddtree_tree_temperature")
 POLICIES = ("auto", "static")
 DEFAULT_POLICY = "auto"  # tree mode; sampled chains (hsd_chain) draft a fixed length: "static"
 MODES = ("tree", "hsd_chain")
@@ -49,6 +59,7 @@ class DDTreeOptions:
     depth: int | None = None  # L; None = drafter block_size - 1 (filled in at engine start)
     mode: str = "tree"  # "tree" | "hsd_chain"
     budget_policy: str | tuple[tuple[int, int], ...] = DEFAULT_POLICY  # see the module doc
+    tree_temperature: float = 1.0  # trees from softmax(drafter logits / this), see above
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -114,8 +125,21 @@ def split_speculative_config(spec: dict) -> tuple[dict, DDTreeOptions]:
             f"ddtree: ddtree_budget_policy={_show(policy)} needs ddtree_mode 'tree'; sampled "
             "chains (hsd_chain) draft a fixed length: use ddtree_budget_policy 'static'"
         )
+    temperature = spec.pop("ddtree_tree_temperature", 1.0)
+    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+            or not 0.05 <= temperature <= 20.0):
+        raise DDTreeConfigError(
+            f"ddtree: ddtree_tree_temperature={temperature!r} must be a number in [0.05, 20] "
+            "(1.0, the default, builds DDTree's tree; below 1 favours deeper paths)"
+        )
+    if mode == "hsd_chain" and temperature != 1.0:
+        raise DDTreeConfigError(
+            f"ddtree: ddtree_tree_temperature={temperature!r} needs ddtree_mode 'tree'; sampled "
+            "chains (hsd_chain) draft at each request's own temperature: leave it out"
+        )
     spec["method"] = "dflash"
-    return spec, DDTreeOptions(budget=budget, depth=depth, mode=mode, budget_policy=policy)
+    return spec, DDTreeOptions(budget=budget, depth=depth, mode=mode, budget_policy=policy,
+                               tree_temperature=float(temperature))
 
 
 def _show(policy) -> str:

@@ -226,8 +226,9 @@ class DDTreeProposer(DFlashProposer):
         if self.ddtree_state.options.mode == "hsd_chain":
             self._pending_tree, self._pending_probs = self._sample_chain(logits, sampling_metadata)
         else:
-            self._pending_tree = build_tree(logits, self._pending_budget,
-                                            max_budget=self.ddtree_state.budget)
+            self._pending_tree = build_tree(
+                logits, self._pending_budget, max_budget=self.ddtree_state.budget,
+                temperature=self.ddtree_state.options.tree_temperature)
             self._pending_probs = None
         return self._placeholder_ids[: num_reqs * depth], None
 
