@@ -299,6 +299,10 @@ def test_tree_temperature_is_the_tree_of_the_scaled_logits(native, monkeypatch):
             assert cut.num_nodes.tolist() == [11] * 6
         mean_depth[t] = tree.depths.float().mean().item()
     assert mean_depth[0.5] > mean_depth[1.0] > mean_depth[2.0], mean_depth
+    # bfloat16 logits are scaled in float32 (no second rounding)
+    half = logits.to(torch.bfloat16)
+    _assert_equal_to_reference(build_tree(half, 32, temperature=0.7),
+                               reference_build_tree(half.float() / 0.7, 32))
 
 
 def test_ancestor_mask_from_node_parents():

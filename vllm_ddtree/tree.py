@@ -169,7 +169,9 @@ def _top_log_probs(draft_logits: torch.Tensor, k: int,
     values = torch.empty(batch * depth, k, dtype=torch.float32, device=draft_logits.device)
     token_ids = torch.empty(batch * depth, k, dtype=torch.int64, device=draft_logits.device)
     for start, end in row_chunks(batch * depth, vocab):
-        chunk = flat[start:end] if temperature == 1.0 else flat[start:end] / temperature
+        chunk = flat[start:end]
+        if temperature != 1.0:  # in float32: bf16 logits / t would round again
+            chunk = chunk.to(torch.float32) / temperature
         log_probs = torch.log_softmax(chunk, dim=-1, dtype=torch.float32)
         del chunk
         torch.topk(log_probs, k, dim=-1, out=(values[start:end], token_ids[start:end]))
