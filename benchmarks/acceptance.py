@@ -39,8 +39,8 @@ def run_hf(args) -> list[dict]:
     target, drafter, tokenizer = load_pair(f"{args.pair}/target", f"{args.pair}/drafter")
     prompts = heldout_prompts(tokenizer, args.num_prompts, args.prompt_len)
     rows = []
+    L = drafter.block_size - 1
     for temperature in args.temperatures:
-        L = drafter.block_size - 1
         configs = [("chain", L, 1.0)]
         configs += [("ddtree", b, t) for t in args.tree_temperatures for b in args.budgets]
         configs += [("chain_hsd", L, 1.0), ("chain_tokenwise", L, 1.0)]

@@ -320,8 +320,8 @@ def main(argv=None) -> None:
                  for c in args.concurrency]
         print(f"{r['name']:18s} " + " ".join(f"{cell:>16s}" for cell in cells))
     summary = {}
-    # auto (the first, t = 1 where it ran) against the best of everything a user could pick
-    # instead: plain decoding, dflash and every static budget (at every tree temperature)
+    # auto (at the first of --tree-temperatures) against the best of everything a user could
+    # pick instead: plain decoding, dflash and every static budget (at every tree temperature)
     auto = next((r for r in rows if r["name"].startswith("ddtree_auto")), None)
     if auto is not None:
         others = [r for r in rows
