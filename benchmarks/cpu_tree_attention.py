@@ -7,6 +7,7 @@ with m nodes each (and their roots); every result is checked against the torch t
 best of 3 x 200 calls.
 
     python benchmarks/cpu_tree_attention.py --label after
+    python benchmarks/cpu_tree_attention.py --label after_aten --aten  # the op's ATen path
     # another version of the op's source, side by side in the same file (its own build):
     git show HEAD~1:kernels/csrc/ddtree_cpu.cpp > /tmp/old/ddtree_cpu.cpp
     TORCH_EXTENSIONS_DIR=/tmp/old_build python benchmarks/cpu_tree_attention.py \\
@@ -35,7 +36,7 @@ CASES = [(1, 7, 100), (1, 16, 100), (8, 7, 100), (8, 16, 100), (32, 7, 100), (1,
          (8, 16, 2000)]
 
 
-def one_case(ops, num_reqs: int, nodes: int, context: int) -> float:
+def one_case(ops, num_reqs: int, nodes: int, context: int, vectorized: bool = True) -> float:
     from vllm_ddtree.plugin.cpu_attention import (
         _write_with_vllm, cpu_kv_layout, tree_attention_info, tree_rows_attention)
     from vllm_ddtree.tree import build_tree
@@ -68,7 +69,7 @@ def one_case(ops, num_reqs: int, nodes: int, context: int) -> float:
 
     def call():
         ops.tree_attention_(out, q, flat, layout.offsets, layout.slot_stride, info.rows,
-                            info.valid, info.slots, info.mask, 0.3, False)
+                            info.valid, info.slots, info.mask, 0.3, False, vectorized)
 
     call()
     torch.testing.assert_close(out[info.rows[info.valid]], want[info.valid], atol=2e-6,
@@ -88,6 +89,8 @@ def main() -> None:
     parser.add_argument("--source", default=None,
                         help="build the op from this ddtree_cpu.cpp instead of the checkout's "
                              "(set TORCH_EXTENSIONS_DIR to a folder of its own)")
+    parser.add_argument("--aten", action="store_true",
+                        help="the op's ATen path (CPUs without AVX2) instead of its AVX2 loop")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                       "cpu_tree_attention_cpu.json"))
     args = parser.parse_args()
@@ -104,7 +107,7 @@ def main() -> None:
     print(f"{args.label}: the op built from {source}", flush=True)
     rows = []
     for num_reqs, nodes, context in CASES:
-        us = one_case(ops, num_reqs, nodes, context)
+        us = one_case(ops, num_reqs, nodes, context, not args.aten)
         rows.append({"requests": num_reqs, "nodes": nodes, "context": context,
                      "us_per_call": round(us, 1)})
         print(f"{args.label}: {num_reqs} requests x {nodes} nodes, context {context}: "
@@ -114,6 +117,7 @@ def main() -> None:
         with open(args.out) as f:
             runs = [r for r in json.load(f)["runs"] if r["label"] != args.label]
     runs.append({"label": args.label, "source": source, "threads": torch.get_num_threads(),
+                 "path": "aten" if args.aten else "avx2 where the CPU has it",
                  "command": "python benchmarks/cpu_tree_attention.py " + " ".join(sys.argv[1:]),
                  "rows": rows})
     with open(args.out, "w") as f:

@@ -44,7 +44,10 @@ def _load():
             from torch.utils.cpp_extension import load
 
             logger.info("ddtree: loading the fused CPU kernels (the first build takes ~40 s)")
-            load(name="vllm_ddtree_cpu", sources=[SOURCE], extra_cflags=["-O3"],
+            # -fopenmp: ATen's parallel_for is an OpenMP pragma compiled into the op (without
+            # it the op ran on one thread); no -lgomp: the calls bind to the OpenMP runtime
+            # torch itself loads, so the process keeps one thread pool
+            load(name="vllm_ddtree_cpu", sources=[SOURCE], extra_cflags=["-O3", "-fopenmp"],
                  is_python_module=False, verbose=False)
             _state["ops"] = torch.ops.ddtree
         except Exception as exc:  # no compiler, no headers: the torch path serves

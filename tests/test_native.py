@@ -598,7 +598,8 @@ ATTENTION_CASES = [("vec", torch.float32, 16, 2, 32, 3, SHORT, "vec"),
                    ("vec", torch.bfloat16, 32, 1, 64, 4, SHORT, "vec"),
                    ("vec", torch.float32, 16, 2, 32, 3, LONG, "vec"),
                    ("vec", torch.float32, 16, 2, 32, 3, LONG, "amx"),
-                   ("vec", torch.bfloat16, 32, 1, 64, 4, SHORT, "amx")]
+                   ("vec", torch.bfloat16, 32, 1, 64, 4, SHORT, "amx"),
+                   ("vec", torch.float32, 16, 1, 80, 2, LONG, "vec")]  # D = 2 x 32 + 16
 if torch.cpu._is_amx_tile_supported():
     ATTENTION_CASES.append(("amx", torch.bfloat16, 32, 2, 32, 2, SHORT, "amx"))
 
@@ -616,15 +617,18 @@ def _bf16_probs_attention(q, k, v, mask, scale):
     return out / weights.sum(-1).permute(0, 2, 1)[..., None]
 
 
+@pytest.mark.parametrize("vectorized", [True, False], ids=["avx2", "aten"])
 @pytest.mark.parametrize("isa,dtype,bs,nkv,d,group,ctx,rounding", ATTENTION_CASES)
 def test_tree_attention_equals_the_torch_twin(native, isa, dtype, bs, nkv, d, group, ctx,
-                                              rounding):
+                                              rounding, vectorized):
     """The fused tree-row attention (each request's root and node rows) over vLLM's paged CPU
     cache (written by vLLM's own writer) equals :func:`tree_rows_attention` over the layout's
     gathers (the torch path), row by row, within float32 rounding (bf16: one bf16 step), for
-    short and long contexts, with and without the bf16 rounding of the probabilities that
+    short and long contexts (one and several 64-position tiles of the AVX2 loop, a context
+    that is not a multiple of 8), with and without the bf16 rounding of the probabilities that
     vLLM's amx kernel does (also on float32 data, where its effect is seen); the rows of
-    requests without nodes stay untouched."""
+    requests without nodes stay untouched. Both of the op's paths: the AVX2 loop (where the
+    CPU has AVX2 and FMA) and the ATen one (every other CPU)."""
     from vllm_ddtree.plugin.cpu_attention import (
         _write_with_vllm, cpu_kv_layout, tree_attention_info, tree_rows_attention)
 
@@ -664,7 +668,7 @@ def test_tree_attention_equals_the_torch_twin(native, isa, dtype, bs, nkv, d, gr
     out = torch.full_like(q, 7.0)
     native.ops.tree_attention_(out, q, flat, layout.offsets, layout.slot_stride, info.rows,
                                info.valid, info.slots, info.mask, 0.3,
-                               rounding == "amx")
+                               rounding == "amx", vectorized)
     got, want = out[info.rows[info.valid]].float(), want[info.valid].float()
     torch.testing.assert_close(got, want, **tol)
     if rounding == "amx" and dtype == torch.float32:  # the op rounds where the oracle does

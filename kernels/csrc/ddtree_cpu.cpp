@@ -30,7 +30,13 @@
 #include <limits>
 #include <queue>
 #include <tuple>
+#include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define DDTREE_AVX2 1  // the tree attention's AVX2 path, chosen at run time (cpu_has_avx2)
+#endif
 
 namespace {
 
@@ -735,15 +741,13 @@ inline float to_float(T x) {
   return static_cast<float>(x);
 }
 
-// The tree rows' attention (each request's root and node rows), batched over (request, KV
-// head): K and V of the positions any row of the request sees are gathered in float32 from the
-// paged cache through the layout's offsets ([n * Hkv, U, D], zero past the request's last seen
-// position), the rows' queries in float32 ([n * Hkv, b * group, D]: row i, head
-// g * group + j at i * group + j; zero for padding rows) and the mask as an additive bias (0
-// or -inf; 0 on padding rows); then one GEMM with the bias, a softmax and one GEMM (vectorised
-// ATen kernels) for all requests (a scalar loop per (request, K/V head, row) took 2-3x longer,
-// and so did a fused flash-style loop over 256-key tiles, plain or register-blocked C++:
-// benchmarks/cpu_tree_attention.py, docs/measurements.md).
+// The tree rows' attention (each request's root and node rows) with ATen's kernels, for CPUs
+// without AVX2 (tree_attention_avx2 serves the others), batched over (request, KV head): K and
+// V of the positions any row of the request sees are gathered in float32 from the paged cache
+// through the layout's offsets ([n * Hkv, U, D], zero past the request's last seen position),
+// the rows' queries in float32 ([n * Hkv, b * group, D]: row i, head g * group + j at
+// i * group + j; zero for padding rows) and the mask as an additive bias (0 or -inf; 0 on
+// padding rows); then one GEMM with the bias, a softmax and one GEMM for all requests.
 template <typename T>
 void tree_attention_impl(Tensor& output, const Tensor& query, const Tensor& flat,
                          const int64_t* offsets, int64_t slot_stride, int64_t block_size,
@@ -840,16 +844,281 @@ void tree_attention_impl(Tensor& output, const Tensor& query, const Tensor& flat
   }
 }
 
+#ifdef DDTREE_AVX2
+bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+
+// The tree rows' attention as one fused loop per (request, K/V head) in AVX2 and FMA
+// intrinsics: what tree_attention_impl computes with ATen's batched GEMMs, whose fixed costs
+// dominate at a verify step's sizes (benchmarks/cpu_tree_attention.py: ~35 us against ~65 us
+// for one request of 16 nodes over ~100 positions, 2 threads). Compiled for AVX2 and FMA
+// whatever the build flags; run only where the CPU has both (cpu_has_avx2). Loops written in
+// plain C++ were 2-3x slower than ATen here (the compiler kept neither the accumulators in
+// registers nor the reductions vectorised).
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+// exp of 8 floats (Cephes' single-precision polynomial, ~1 ulp); arguments are clamped to
+// [-87.3, 0], so 2^n stays a normal float (every caller passes a score less its row's max)
+inline __m256 exp_avx2(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+inline float hmax_avx2(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+inline float hsum_avx2(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+
+// float32 -> the nearest bfloat16 (ties to even), back in float32: what .to(bfloat16) does to
+// finite values (the probabilities rounded here are in [0, 1])
+inline __m256 round_bf16_avx2(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+
+struct TreeAttentionArgs {
+  int64_t n, b, s, H, D, Hkv, group, slot_stride, block_size, qs0, qs1, os0, os1;
+  const int64_t* offsets;
+  const int64_t* rows;
+  const bool* valid;
+  const int64_t* slots;
+  const bool* mask;
+  const int64_t* used;  // per request: the positions any of its rows sees
+  float scale;
+  bool bf16_probs;
+};
+
+constexpr int64_t kTile = 64;  // positions per K tile: [D, 64] float32 stays in L1
+
+// 64 scores of one query vector against a K tile ([D, 64], transposed): 8 accumulators
+inline void tile_scores_avx2(const float* q, const float* kt, int64_t D, const float* bias,
+                             float* out) {
+  __m256 s[8];
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) s[k] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 qd = _mm256_broadcast_ss(q + d);
+    const float* k = kt + d * kTile;
+#pragma GCC unroll 8
+    for (int e = 0; e < 8; ++e) s[e] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 8 * e), s[e]);
+  }
+#pragma GCC unroll 8
+  for (int e = 0; e < 8; ++e)
+    _mm256_storeu_ps(out + 8 * e, _mm256_add_ps(s[e], _mm256_loadu_ps(bias + 8 * e)));
+}
+
+// acc[0, 8 W) += sum over the tile's n positions of p[u] * v[u, 0, 8 W) (rows of stride D);
+// two sets of accumulators (even and odd positions) keep the FMAs independent
+template <int W>
+inline void tile_weighted_sum_avx2(const float* p, const float* v, int64_t n, int64_t D,
+                                   float* acc) {
+  __m256 x[W], y[W];
+#pragma GCC unroll 8
+  for (int k = 0; k < W; ++k) x[k] = _mm256_loadu_ps(acc + 8 * k), y[k] = _mm256_setzero_ps();
+  int64_t u = 0;
+  for (; u + 2 <= n; u += 2) {
+    const __m256 p0 = _mm256_broadcast_ss(p + u), p1 = _mm256_broadcast_ss(p + u + 1);
+    const float* v0 = v + u * D;
+#pragma GCC unroll 8
+    for (int k = 0; k < W; ++k) {
+      x[k] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * k), x[k]);
+      y[k] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v0 + D + 8 * k), y[k]);
+    }
+  }
+  if (u < n) {
+    const __m256 p0 = _mm256_broadcast_ss(p + u);
+#pragma GCC unroll 8
+    for (int k = 0; k < W; ++k)
+      x[k] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v + u * D + 8 * k), x[k]);
+  }
+#pragma GCC unroll 8
+  for (int k = 0; k < W; ++k) _mm256_storeu_ps(acc + 8 * k, _mm256_add_ps(x[k], y[k]));
+}
+
+// One (request r, K/V head g), exact softmax in three passes over the U positions its rows
+// see, tiled so that each K or V tile is read from the cache once for all the group's query
+// vectors of all its rows: (1) per 64-position tile, K gathered (transposed) and V gathered in
+// float32, every query vector's scores plus its row's mask (0 or -inf); (2) per query vector,
+// the max, exp(score - max) (hidden positions exactly 0) and their sum (before the optional
+// bf16 rounding, as vLLM's amx kernel sums); (3) per V tile, the weighted sums; then each
+// query vector's sum / total is written to its row's output head.
+template <typename T>
+void tree_attention_task_avx2(const TreeAttentionArgs& a, const T* query, const T* cache,
+                              T* output, int64_t r, int64_t g) {
+  const int64_t D = a.D, U = a.used[r], Up = (U + kTile - 1) / kTile * kTile;
+  const int64_t group = a.group, nq_max = a.b * group;
+  thread_local std::vector<float> scratch;
+  thread_local std::vector<int64_t> vectors;  // (row i, head j) of each real query vector
+  scratch.resize(static_cast<size_t>(nq_max * (D + Up + D) + Up * D + D * kTile +
+                                     a.b * kTile));
+  float* qf = scratch.data();        // [nq, D] scaled queries
+  float* sc = qf + nq_max * D;       // [nq, Up] scores, then weights
+  float* acc = sc + nq_max * Up;     // [nq, D] weighted sums of V
+  float* vt = acc + nq_max * D;      // [Up, D] V (zero past U)
+  float* kt = vt + Up * D;           // [D, 64] the K tile
+  float* bias = kt + D * kTile;      // [b, 64] the rows' masks over the tile
+  vectors.clear();
+  for (int64_t i = 0; i < a.b; ++i) {
+    if (!a.valid[r * a.b + i]) continue;
+    const T* qrow = query + a.rows[r * a.b + i] * a.qs0;
+    for (int64_t j = 0; j < group; ++j) {
+      float* qv = qf + static_cast<int64_t>(vectors.size()) * D;
+      const T* qh = qrow + (g * group + j) * a.qs1;
+      for (int64_t d = 0; d < D; ++d) qv[d] = to_float(qh[d]) * a.scale;
+      vectors.push_back(i * group + j);
+    }
+  }
+  const int64_t nq = static_cast<int64_t>(vectors.size());
+  std::fill(acc, acc + nq * D, 0.0f);
+  const float hidden = -std::numeric_limits<float>::infinity();
+  const __m256 neg_inf = _mm256_set1_ps(hidden), zero = _mm256_setzero_ps();
+  for (int64_t t = 0; t < Up; t += kTile) {  // (1) scores
+    const int64_t n = std::min(kTile, U - t);
+    for (int64_t u = 0; u < n; ++u) {
+      const int64_t slot = a.slots[r * a.s + t + u];
+      const int64_t* off = a.offsets + (slot % a.block_size) * a.slot_stride;
+      const T* base = cache + slot * a.slot_stride;
+      float* vrow = vt + (t + u) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        kt[d * kTile + u] = to_float(base[off[g * D + d]]);
+        vrow[d] = to_float(base[off[(a.Hkv + g) * D + d]]);
+      }
+    }
+    for (int64_t d = 0; d < D; ++d) std::fill(kt + d * kTile + n, kt + (d + 1) * kTile, 0.0f);
+    std::fill(vt + (t + n) * D, vt + (t + kTile) * D, 0.0f);
+    for (int64_t i = 0; i < a.b; ++i) {
+      if (!a.valid[r * a.b + i]) continue;
+      const bool* row_mask = a.mask + (r * a.b + i) * a.s + t;
+      float* bi = bias + i * kTile;
+      int64_t u = 0;
+      for (; u + 8 <= n; u += 8) {  // 8 mask bytes at a time
+        const __m256i seen = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row_mask + u)));
+        const __m256 hide = _mm256_castsi256_ps(_mm256_cmpeq_epi32(seen, _mm256_setzero_si256()));
+        _mm256_storeu_ps(bi + u, _mm256_and_ps(hide, neg_inf));
+      }
+      for (; u < kTile; ++u) bi[u] = u < n && row_mask[u] ? 0.0f : hidden;
+    }
+    for (int64_t v = 0; v < nq; ++v)
+      tile_scores_avx2(qf + v * D, kt, D, bias + (vectors[v] / group) * kTile, sc + v * Up + t);
+  }
+  std::vector<float> total(nq);
+  for (int64_t v = 0; v < nq; ++v) {  // (2) weights
+    float* sv = sc + v * Up;
+    __m256 mx = neg_inf;
+    for (int64_t c = 0; c < Up; c += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sv + c));
+    const __m256 top = _mm256_set1_ps(hmax_avx2(mx));  // finite: the row sees itself
+    __m256 sum = zero;
+    for (int64_t c = 0; c < Up; c += 8) {
+      const __m256 x = _mm256_loadu_ps(sv + c);
+      __m256 p = _mm256_and_ps(exp_avx2(_mm256_sub_ps(x, top)),
+                               _mm256_cmp_ps(x, neg_inf, _CMP_NEQ_OQ));
+      sum = _mm256_add_ps(sum, p);
+      if (a.bf16_probs) p = round_bf16_avx2(p);  // vLLM's amx kernel weighs V in bf16
+      _mm256_storeu_ps(sv + c, p);
+    }
+    total[v] = hsum_avx2(sum);
+  }
+  for (int64_t t = 0; t < U; t += kTile) {  // (3) weighted sums of V, tile by tile
+    const int64_t n = std::min(kTile, U - t);
+    for (int64_t v = 0; v < nq; ++v) {
+      const float* p = sc + v * Up + t;
+      float* av = acc + v * D;
+      int64_t d0 = 0;
+      for (; d0 + 32 <= D; d0 += 32) tile_weighted_sum_avx2<4>(p, vt + t * D + d0, n, D, av + d0);
+      for (; d0 < D; d0 += 8) tile_weighted_sum_avx2<1>(p, vt + t * D + d0, n, D, av + d0);
+    }
+  }
+  for (int64_t v = 0; v < nq; ++v) {
+    const int64_t i = vectors[v] / group, j = vectors[v] % group;
+    T* oh = output + a.rows[r * a.b + i] * a.os0 + (g * group + j) * a.os1;
+    const float inv = 1.0f / total[v];
+    const float* av = acc + v * D;
+    for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<T>(av[d] * inv);
+  }
+  if (scratch.size() > (size_t{1} << 24)) {  // keep at most 64 MiB per thread between calls
+    scratch.clear();
+    scratch.shrink_to_fit();
+  }
+}
+#pragma GCC pop_options
+
+template <typename T>
+void tree_attention_avx2(Tensor& output, const Tensor& query, const Tensor& flat,
+                         const int64_t* offsets, int64_t slot_stride, int64_t block_size,
+                         const Tensor& rows, const Tensor& valid, const Tensor& slots,
+                         const Tensor& mask, float scale, bool bf16_probs) {
+  TreeAttentionArgs a;
+  a.n = rows.size(0), a.b = rows.size(1), a.s = slots.size(1);
+  a.H = query.size(1), a.D = query.size(2), a.Hkv = slot_stride / (2 * a.D);
+  a.group = a.H / a.Hkv, a.slot_stride = slot_stride, a.block_size = block_size;
+  a.qs0 = query.stride(0), a.qs1 = query.stride(1);
+  a.os0 = output.stride(0), a.os1 = output.stride(1);
+  a.offsets = offsets, a.rows = rows.data_ptr<int64_t>(), a.valid = valid.data_ptr<bool>();
+  a.slots = slots.data_ptr<int64_t>(), a.mask = mask.data_ptr<bool>();
+  a.scale = scale, a.bf16_probs = bf16_probs;
+  if (a.n == 0 || a.b == 0) return;
+  std::vector<int64_t> used(a.n, 1);  // positions any row of request r sees (at least one)
+  for (int64_t r = 0; r < a.n; ++r) {
+    for (int64_t i = 0; i < a.b; ++i) {
+      for (int64_t pos = a.s - 1; pos >= used[r]; --pos) {
+        if (a.mask[(r * a.b + i) * a.s + pos]) {
+          used[r] = pos + 1;
+          break;
+        }
+      }
+    }
+  }
+  a.used = used.data();
+  const T* q = query.data_ptr<T>();
+  const T* cache = flat.data_ptr<T>();
+  T* out = output.data_ptr<T>();
+  at::parallel_for(0, a.n * a.Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task)
+      tree_attention_task_avx2<T>(a, q, cache, out, task / a.Hkv, task % a.Hkv);
+  });
+}
+#endif
+
 // The tree rows of a verify step on vLLM's CPU backend (DDTreeCPUImpl): for each real row (a
 // request's root or one of its nodes), attention over the positions its mask shows (the
 // committed context, then itself and its ancestors), K/V read from the paged cache through the
 // layout's offsets; written into output [T, H, D] at the row (other rows are left alone).
 // bf16_probs: the unnormalised probabilities are rounded to bfloat16 before they weigh V
-// (vLLM's amx kernel does).
+// (vLLM's amx kernel does). vectorized: the AVX2 loop (tree_attention_avx2) where the CPU has
+// AVX2 and FMA and the head size is a multiple of 8; else, or when false (the tests compare
+// both), the ATen path (tree_attention_impl).
 void tree_attention_(Tensor output, const Tensor& query, const Tensor& flat,
                      const Tensor& offsets, int64_t slot_stride, const Tensor& rows,
                      const Tensor& valid, const Tensor& slots, const Tensor& mask,
-                     double scale, bool bf16_probs) {
+                     double scale, bool bf16_probs, bool vectorized) {
   for (auto* t : {&offsets, &rows, &valid, &slots, &mask, &flat}) check_cpu(*t, "attention");
   TORCH_CHECK(output.device().is_cpu() && query.device().is_cpu() && output.dim() == 3 &&
                   query.dim() == 3 && output.stride(2) == 1 && query.stride(2) == 1 &&
@@ -870,6 +1139,24 @@ void tree_attention_(Tensor output, const Tensor& query, const Tensor& flat,
   const int64_t block_size = offsets.numel() / slot_stride;
   const int64_t* off = offsets.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
+#ifdef DDTREE_AVX2
+  if (vectorized && cpu_has_avx2() && query.size(2) % 8 == 0) {
+    switch (flat.scalar_type()) {
+      case at::kFloat:
+        return tree_attention_avx2<float>(output, query, flat, off, slot_stride, block_size,
+                                          rows, valid, slots, mask, sc, bf16_probs);
+      case at::kBFloat16:
+        return tree_attention_avx2<c10::BFloat16>(output, query, flat, off, slot_stride,
+                                                  block_size, rows, valid, slots, mask, sc,
+                                                  bf16_probs);
+      case at::kHalf:
+        return tree_attention_avx2<c10::Half>(output, query, flat, off, slot_stride, block_size,
+                                              rows, valid, slots, mask, sc, bf16_probs);
+      default:
+        TORCH_CHECK(false, "tree_attention_: unsupported dtype ", flat.scalar_type());
+    }
+  }
+#endif
   switch (flat.scalar_type()) {
     case at::kFloat:
       tree_attention_impl<float>(output, query, flat, off, slot_stride, block_size, rows, valid,
@@ -980,7 +1267,7 @@ TORCH_LIBRARY(ddtree, m) {
         "int block_size) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("tree_attention_(Tensor(a!) output, Tensor query, Tensor flat, Tensor offsets, "
         "int slot_stride, Tensor rows, Tensor valid, Tensor slots, Tensor mask, float scale, "
-        "bool bf16_probs) -> ()");
+        "bool bf16_probs, bool vectorized=True) -> ()");
   m.def("auto_budgets(Tensor scores, Tensor depths, Tensor predicted, Tensor observed, "
         "float prior, Tensor sampled, Tensor complete, Tensor xs, Tensor ys, float draft_time, "
         "float on_scale, float plain_time, Tensor node_cost, Tensor limit) -> Tensor");
