@@ -167,6 +167,91 @@ def test_build_tree_budget_function(native, B, L, vocab, kind):
     assert torch.equal(fused.num_nodes, budgets.clamp(min=0).minimum(full.num_nodes))
 
 
+# ----------------------------------------------------------------------- top_k_, argmax_rows
+
+
+def _rows(kind: str, n: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
+    if kind == "randn":
+        return torch.randn(n, vocab, generator=gen)
+    if kind == "ties":  # few distinct values: ties everywhere, across any top-k boundary
+        return torch.randint(-3, 3, (n, vocab), generator=gen).float()
+    if kind == "inf":  # banned tokens (-inf), a row of nothing but -inf, a +inf
+        rows = torch.randn(n, vocab, generator=gen)
+        rows[rows < 0.3] = float("-inf")
+        rows[0] = float("-inf")
+        rows[-1, vocab // 2] = float("inf")
+        return rows
+    rows = torch.randn(n, vocab, generator=gen)  # "nan": NaN early, late and twice in a row
+    rows[0, vocab - 1] = float("nan")
+    rows[-1, 0] = rows[-1, vocab // 3] = float("nan")
+    return rows
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 8, 9, 100, 4096])
+@pytest.mark.parametrize("kind", ["randn", "ties", "inf", "nan"])
+def test_top_k_equals_torch_topk(native, vocab, kind):
+    """``top_k_`` gives torch.topk's values (sorted, bit for bit) and ids; where a tie crosses
+    the top-k boundary it says so (the caller then runs torch.topk), and its ids are the
+    lowest of the tied ones. Through ``_top_log_probs``, both paths are equal bit for bit."""
+    from vllm_ddtree.tree import _top_log_probs
+
+    gen = torch.Generator().manual_seed(vocab)
+    rows = _rows(kind, 6, vocab, gen)
+    for k in sorted({1, min(3, vocab), min(16, vocab), vocab}):
+        values = torch.empty(6, k)
+        ids = torch.empty(6, k, dtype=torch.int64)
+        tied = native.ops.top_k_(values, ids, rows)
+        want_values, _ = torch.topk(rows, k, dim=-1)
+        assert torch.equal(values, want_values) or torch.allclose(
+            values, want_values, equal_nan=True, rtol=0, atol=0), (kind, k)
+        # the oracle: a stable sort by (value desc, id asc), NaN first
+        key = torch.where(rows.isnan(), float("inf"), rows)
+        order = torch.sort(-key, dim=-1, stable=True).indices[:, :k]
+        assert torch.equal(ids, order), (kind, k)
+        last = key.gather(1, order[:, -1:])
+        crossing = bool(((key == last).sum(1) > (key.gather(1, order) == last).sum(1)).any())
+        assert tied == crossing, (kind, k)
+        if kind == "randn":
+            assert not tied
+    logits = rows.view(2, 3, vocab)
+    k = min(16, vocab)
+    fused, torch_path = both_paths(native, lambda: _top_log_probs(logits, k, 0.85))
+    # (a row of -inf or with a NaN has NaN log-probabilities; equal values in any order)
+    torch.testing.assert_close(fused[0], torch_path[0], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(fused[1].sort(-1).values, torch_path[1].sort(-1).values), kind
+
+
+def test_top_k_refuses_bad_arguments(native):
+    with pytest.raises(RuntimeError, match="0 < k <= V"):
+        native.ops.top_k_(torch.empty(2, 5), torch.empty(2, 5, dtype=torch.int64),
+                          torch.randn(2, 4))
+    with pytest.raises(RuntimeError, match="float32"):
+        native.ops.top_k_(torch.empty(2, 2), torch.empty(2, 2, dtype=torch.int64),
+                          torch.randn(2, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 8, 9, 31, 100, 4096])
+@pytest.mark.parametrize("kind", ["randn", "ties", "inf", "nan"])
+def test_argmax_rows_equals_torch_argmax(native, vocab, kind):
+    """``argmax_rows`` equals ``torch.argmax(dim=-1)`` (the first largest value, the first NaN)
+    on contiguous and row-strided float32 rows, and ``sampling.argmax_rows`` takes it on the
+    CPU (float32) and torch's argmax otherwise."""
+    from vllm_ddtree.sampling import argmax_rows
+
+    gen = torch.Generator().manual_seed(7 * vocab)
+    rows = _rows(kind, 20, vocab, gen)
+    if kind == "nan" and vocab > 16:  # a NaN in the vector part only, after the first lanes
+        rows[1, 9] = float("nan")
+    assert torch.equal(native.ops.argmax_rows(rows), rows.argmax(dim=-1)), kind
+    wide = torch.cat([rows, torch.full((20, 3), 1e9)], dim=1)[:, :vocab]  # strided rows
+    assert torch.equal(native.ops.argmax_rows(wide), rows.argmax(dim=-1)), kind
+    assert torch.equal(argmax_rows(rows), rows.argmax(dim=-1))
+    for other in (rows.double(), rows.bfloat16()):  # the torch path
+        assert torch.equal(argmax_rows(other), other.argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="float32"):
+        native.ops.argmax_rows(rows.double())
+
+
 # -------------------------------------------------------------------------------------- walk
 
 

@@ -38,8 +38,11 @@ from typing import Protocol
 
 import torch
 
+from vllm_ddtree.kernels.native import cpu_ops
+
 __all__ = [
     "SAMPLING_EPS",
+    "argmax_rows",
     "SamplingBatch",
     "processed_logits",
     "target_probs_from_logits",
@@ -336,6 +339,17 @@ def _take(values: torch.Tensor | None, index) -> torch.Tensor | None:
     return None if values is None else values[index]
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits [T, V]`` -> ``[T]`` int64: ``logits.argmax(dim=-1)`` (the first index of the
+    largest value; the first NaN where there is one). On the CPU, float32 rows go to the fused
+    op (one vectorised pass per row, ``torch.ops.ddtree.argmax_rows``), equal to torch's."""
+    ops = cpu_ops(logits.device)
+    if ops is not None and logits.dtype == torch.float32 and logits.dim() == 2 and \
+            logits.shape[1] > 0 and logits.stride(1) == 1:
+        return ops.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def sample_rows(logits: torch.Tensor, rows: RowSampling | None, sample_op: SampleOp,
                 all_random: bool = False, features: RowFeatures | None = None) -> torch.Tensor:
     """One target token per flat row: ``logits [T, V]`` -> ``[T]`` int64.
@@ -353,8 +367,8 @@ def sample_rows(logits: torch.Tensor, rows: RowSampling | None, sample_op: Sampl
     """
     if features is None:
         if rows is None:
-            return logits.argmax(dim=-1)
-        greedy = None if all_random or rows.is_greedy is None else logits.argmax(dim=-1)
+            return argmax_rows(logits)
+        greedy = None if all_random or rows.is_greedy is None else argmax_rows(logits)
     else:
         greedy = None if rows is not None and (all_random or rows.is_greedy is None) else []
     num_rows, vocab = logits.shape
@@ -367,7 +381,7 @@ def sample_rows(logits: torch.Tensor, rows: RowSampling | None, sample_op: Sampl
             row_ids = cached_arange(num_rows, logits.device)[part]
             chunk = features.apply(logits[part].to(torch.float32, copy=True), row_ids)
             if greedy is not None:
-                greedy.append(chunk.argmax(dim=-1))
+                greedy.append(argmax_rows(chunk))
             if rows is None:
                 continue
             chunk = features.after_temperature(chunk.div_(rows.temperature[part, None]), row_ids)

@@ -157,7 +157,8 @@ def _top_log_probs(draft_logits: torch.Tensor, k: int,
     token_ids [batch, L, k] int64)``.
 
     One fused log-softmax, then top-k (measured on CPU: 2x faster than top-k of the raw logits
-    minus a logsumexp, which PyTorch runs as several unfused passes), one chunk of
+    minus a logsumexp, which PyTorch runs as several unfused passes; on the CPU the top-k is
+    the fused op ``top_k_``, or torch.topk where a tie crosses the top-k boundary), one chunk of
     ``(request, depth)`` rows at a time (:func:`vllm_ddtree.sampling.row_chunks`): the float32
     log-probabilities of a chunk are the only vocabulary-sized temporary, so the extra memory
     is bounded whatever the batch (the whole ``[batch, L, vocab]`` at once was 2x bf16 logits).
@@ -168,13 +169,16 @@ def _top_log_probs(draft_logits: torch.Tensor, k: int,
     flat = draft_logits.flatten(0, 1)  # [batch * L, vocab], a view of contiguous logits
     values = torch.empty(batch * depth, k, dtype=torch.float32, device=draft_logits.device)
     token_ids = torch.empty(batch * depth, k, dtype=torch.int64, device=draft_logits.device)
+    ops = cpu_ops(draft_logits.device)  # the CPU's top-k: one pass per row, no sort
     for start, end in row_chunks(batch * depth, vocab):
         chunk = flat[start:end]
         if temperature != 1.0:  # in float32: bf16 logits / t would round again
             chunk = chunk.to(torch.float32) / temperature
         log_probs = torch.log_softmax(chunk, dim=-1, dtype=torch.float32)
         del chunk
-        torch.topk(log_probs, k, dim=-1, out=(values[start:end], token_ids[start:end]))
+        # (the op declines a tie across the top-k boundary: torch.topk's choice stands)
+        if ops is None or ops.top_k_(values[start:end], token_ids[start:end], log_probs):
+            torch.topk(log_probs, k, dim=-1, out=(values[start:end], token_ids[start:end]))
         del log_probs  # before the next chunk's
     return values.view(batch, depth, k), token_ids.view(batch, depth, k)
 

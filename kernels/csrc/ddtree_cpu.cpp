@@ -12,6 +12,8 @@
 //   tree_attention_ <- cpu_attention.tree_rows_attention over the layout's gathers
 //   auto_budgets, calibration_observe_ <- vllm_ddtree.budget (auto's budget function)
 //   context_complete <- TreeState.context_complete (torch path)
+//   argmax_rows    <- torch.argmax (vllm_ddtree.sampling.argmax_rows)
+//   top_k_         <- torch.topk (vllm_ddtree.tree._top_log_probs)
 // Built on first use by vllm_ddtree.kernels.native (torch.utils.cpp_extension, cached).
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -24,6 +26,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1068,6 +1071,71 @@ void tree_attention_task_avx2(const TreeAttentionArgs& a, const T* query, const 
     scratch.shrink_to_fit();
   }
 }
+
+// The index of a row's largest value, the first one among equal values (torch.argmax's rule);
+// -1 when the row holds a NaN (the caller then takes the first NaN, as torch.argmax does)
+inline int64_t argmax_row_avx2(const float* x, int64_t V) {
+  if (V < 8) return -2;  // too short for a vector: the scalar loop
+  __m256 best = _mm256_loadu_ps(x);
+  __m256i best_at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), at = best_at;
+  __m256 unordered = _mm256_cmp_ps(best, best, _CMP_UNORD_Q);
+  const __m256i step = _mm256_set1_epi32(8);
+  int64_t i = 8;
+  for (; i + 8 <= V; i += 8) {  // per lane: its first largest value (strictly greater wins)
+    const __m256 v = _mm256_loadu_ps(x + i);
+    at = _mm256_add_epi32(at, step);
+    const __m256 greater = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+    best = _mm256_blendv_ps(best, v, greater);
+    best_at = _mm256_blendv_epi8(best_at, at, _mm256_castps_si256(greater));
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  if (_mm256_movemask_ps(unordered)) return -1;
+  alignas(32) float values[8];
+  alignas(32) int32_t where[8];
+  _mm256_store_ps(values, best);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(where), best_at);
+  float top = values[0];
+  int64_t arg = where[0];
+  for (int lane = 1; lane < 8; ++lane) {  // equal values: the lowest index
+    if (values[lane] > top || (values[lane] == top && where[lane] < arg)) {
+      top = values[lane];
+      arg = where[lane];
+    }
+  }
+  for (; i < V; ++i) {  // the tail, after every lane's indices
+    if (std::isnan(x[i])) return -1;
+    if (x[i] > top) top = x[i], arg = i;
+  }
+  return arg;
+}
+
+// The first index in [i, V) whose value is not <= bar (larger, or NaN), or V: top_k_'s scan
+// skips the values that cannot enter its heap 8 at a time
+inline int64_t skip_not_above_avx2(const float* row, int64_t i, int64_t V, float bar) {
+  const __m256 b = _mm256_set1_ps(bar);
+  for (; i + 8 <= V; i += 8) {
+    const int passed = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), b,
+                                                        _CMP_NLE_UQ));
+    if (passed) return i + __builtin_ctz(passed);
+  }
+  for (; i < V; ++i)
+    if (!(row[i] <= bar)) return i;
+  return V;
+}
+
+// How many of row[0, V) equal value (NaN: how many are NaN)
+inline int64_t count_equal_avx2(const float* row, int64_t V, float value) {
+  const bool nan = std::isnan(value);
+  const __m256 b = _mm256_set1_ps(value);
+  int64_t count = 0, i = 0;
+  for (; i + 8 <= V; i += 8) {
+    const __m256 x = _mm256_loadu_ps(row + i);
+    count += __builtin_popcount(_mm256_movemask_ps(
+        nan ? _mm256_cmp_ps(x, x, _CMP_UNORD_Q) : _mm256_cmp_ps(x, b, _CMP_EQ_OQ)));
+  }
+  for (; i < V; ++i) count += nan ? std::isnan(row[i]) : row[i] == value;
+  return count;
+}
 #pragma GCC pop_options
 
 template <typename T>
@@ -1175,6 +1243,122 @@ void tree_attention_(Tensor output, const Tensor& query, const Tensor& flat,
   }
 }
 
+
+// torch.argmax(logits, dim=-1) of float32 rows [N, V] (rows may be strided, elements
+// contiguous): the first index of each row's largest value, the first NaN where a row has one.
+// One vectorised pass per row (AVX2 where the CPU has it), rows in parallel; ATen's argmax took
+// ~40 us over [17, 4096] here, most of it fixed cost.
+Tensor argmax_rows(const Tensor& logits) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 &&
+                  logits.scalar_type() == at::kFloat && logits.stride(1) == 1 &&
+                  logits.size(1) > 0,
+              "argmax_rows: logits must be CPU float32 [N, V > 0] with contiguous rows");
+  const int64_t N = logits.size(0), V = logits.size(1), stride = logits.stride(0);
+  Tensor out = at::empty({N}, logits.options().dtype(at::kLong));
+  const float* x = logits.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x + r * stride;
+      int64_t arg = -2;
+#ifdef DDTREE_AVX2
+      if (cpu_has_avx2()) arg = argmax_row_avx2(row, V);
+#endif
+      if (arg < 0) {  // no AVX2, a short row, or a NaN: the scalar loop
+        arg = 0;
+        for (int64_t i = 0; i < V; ++i) {
+          if (std::isnan(row[i])) {
+            arg = i;
+            break;
+          }
+          if (row[i] > row[arg]) arg = i;
+        }
+      }
+      o[r] = arg;
+    }
+  });
+  return out;
+}
+
+// torch.topk(scores, k, dim=-1) of float32 rows [N, V] into values [N, k] (float32) and ids
+// [N, k] (int64), in the order (value desc, id asc), NaN the largest value (as in torch.topk).
+// One pass per row with a k-entry heap whose last-ranked entry is the bar to pass: after the
+// first entries almost every value fails one comparison. torch.topk took ~55 us for [7, 4096],
+// k = 16 here. Returns true when a row has more values equal to its k-th than the top k holds
+// (a tie across the boundary): which of them torch.topk keeps is its own choice, so the caller
+// runs torch.topk instead (this op keeps the lowest ids).
+bool top_k_(Tensor values, Tensor ids, const Tensor& scores) {
+  check_cpu(scores, "scores");
+  check_cpu(values, "values");
+  check_cpu(ids, "ids");
+  TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == at::kFloat,
+              "top_k_: scores must be float32 [N, V]");
+  const int64_t N = scores.size(0), V = scores.size(1);
+  TORCH_CHECK(values.dim() == 2 && values.size(0) == N && values.scalar_type() == at::kFloat &&
+                  ids.sizes() == values.sizes() && ids.scalar_type() == at::kLong,
+              "top_k_: values (float32) and ids (int64) must be [N, k]");
+  const int64_t k = values.size(1);
+  TORCH_CHECK(0 < k && k <= V, "top_k_: need 0 < k <= V, got k = ", k, ", V = ", V);
+  const float* x = scores.data_ptr<float>();
+  float* vo = values.data_ptr<float>();
+  int64_t* io = ids.data_ptr<int64_t>();
+  std::atomic<bool> tied{false};
+#ifdef DDTREE_AVX2
+  const bool avx2 = cpu_has_avx2();
+#endif
+  at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
+    using Item = std::pair<float, int64_t>;
+    // a before b: a larger value (NaN the largest), then a lower id
+    const auto before = [](const Item& a, const Item& b) {
+      const bool an = std::isnan(a.first), bn = std::isnan(b.first);
+      if (an != bn) return an;
+      if (!an && a.first != b.first) return a.first > b.first;
+      return a.second < b.second;
+    };
+    std::vector<Item> heap;  // std heap with `before`: its front is the last-ranked entry
+    heap.reserve(k);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x + r * V;
+      heap.clear();
+      for (int64_t i = 0; i < k; ++i) heap.emplace_back(row[i], i);
+      std::make_heap(heap.begin(), heap.end(), before);
+      for (int64_t i = k; i < V; ++i) {
+        const float bar = heap.front().first;
+#ifdef DDTREE_AVX2
+        if (avx2) {
+          i = skip_not_above_avx2(row, i, V, bar);
+          if (i == V) break;
+        }
+#endif
+        const float v = row[i];
+        // ids grow: a later entry passes only with a larger value (or a NaN past a number)
+        if (v > bar || (std::isnan(v) && !std::isnan(bar))) {
+          std::pop_heap(heap.begin(), heap.end(), before);
+          heap.back() = Item(v, i);
+          std::push_heap(heap.begin(), heap.end(), before);
+        }
+      }
+      std::sort_heap(heap.begin(), heap.end(), before);
+      for (int64_t j = 0; j < k; ++j) {
+        vo[r * k + j] = heap[j].first;
+        io[r * k + j] = heap[j].second;
+      }
+      const float last = heap[k - 1].first;
+      const bool last_nan = std::isnan(last);
+      const auto same = [&](float v) { return last_nan ? std::isnan(v) : v == last; };
+      int64_t kept = 0, all = 0;
+      for (int64_t j = 0; j < k; ++j) kept += same(heap[j].first);
+#ifdef DDTREE_AVX2
+      if (avx2) all = count_equal_avx2(row, V, last);
+      else
+#endif
+        for (int64_t i = 0; i < V; ++i) all += same(row[i]);
+      if (all > kept) tied = true;
+    }
+  });
+  return tied.load();
+}
+
 template <typename T>
 void copy_elements(std::vector<Tensor>& flats, const int64_t* offsets, int64_t slot_stride,
                    int64_t block_size, const std::vector<std::pair<int64_t, int64_t>>& pairs) {
@@ -1268,6 +1452,8 @@ TORCH_LIBRARY(ddtree, m) {
   m.def("tree_attention_(Tensor(a!) output, Tensor query, Tensor flat, Tensor offsets, "
         "int slot_stride, Tensor rows, Tensor valid, Tensor slots, Tensor mask, float scale, "
         "bool bf16_probs, bool vectorized=True) -> ()");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("top_k_(Tensor(a!) values, Tensor(b!) ids, Tensor scores) -> bool");
   m.def("auto_budgets(Tensor scores, Tensor depths, Tensor predicted, Tensor observed, "
         "float prior, Tensor sampled, Tensor complete, Tensor xs, Tensor ys, float draft_time, "
         "float on_scale, float plain_time, Tensor node_cost, Tensor limit) -> Tensor");
@@ -1290,6 +1476,8 @@ TORCH_LIBRARY_IMPL(ddtree, CPU, m) {
   m.impl("tree_attention_info", &tree_attention_info);
   m.impl("context_complete", &context_complete);
   m.impl("tree_attention_", &tree_attention_);
+  m.impl("argmax_rows", &argmax_rows);
+  m.impl("top_k_", &top_k_);
   m.impl("auto_budgets", &auto_budgets);
   m.impl("calibration_observe_", &calibration_observe_);
   m.impl("copy_slots_", &copy_slots_);
