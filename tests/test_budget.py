@@ -59,24 +59,28 @@ def test_knee_in_the_cost_curve():
     assert max(range(5), key=rate.__getitem__) == 2
 
 
-def step_rate(gains: torch.Tensor, cost: CostModel, budgets, node_cost=None) -> float:
+def step_rate(gains: torch.Tensor, cost: CostModel, budgets, node_cost=None,
+              overheads=(0.0, 0.0)) -> float:
     """Expected tokens per second of a step with these per-request budgets (each request's
-    nodes also cost ``node_cost[r]`` seconds each); all zero: plain decoding, no drafter."""
+    nodes also cost ``node_cost[r]`` seconds each; ``overheads``: seconds a drafting step and a
+    plain step take beyond the model); all zero: plain decoding, no drafter."""
     num_reqs = gains.shape[0]
     if not any(budgets):
-        return num_reqs / cost.verify_time(torch.tensor([float(num_reqs)])).item()
+        return num_reqs / (cost.verify_time(torch.tensor([float(num_reqs)])).item()
+                           + overheads[1])
     tokens = num_reqs + sum(gains[r, :b].sum().item() for r, b in enumerate(budgets))
     time = (cost.verify_time(torch.tensor([float(num_reqs + sum(budgets))])).item()
-            + cost.draft_time(num_reqs))
+            + cost.draft_time(num_reqs) + overheads[0])
     if node_cost is not None:
         time += sum(c * b for c, b in zip(node_cost, budgets))
     return tokens / time
 
 
-def brute_force(gains: torch.Tensor, cost: CostModel, node_cost=None) -> float:
+def brute_force(gains: torch.Tensor, cost: CostModel, node_cost=None,
+                overheads=(0.0, 0.0)) -> float:
     """The best :func:`step_rate` over every per-request budget vector."""
     num_reqs, width = gains.shape
-    return max(step_rate(gains, cost, budgets, node_cost)
+    return max(step_rate(gains, cost, budgets, node_cost, overheads)
                for budgets in itertools.product(range(width + 1), repeat=num_reqs))
 
 
@@ -102,6 +106,33 @@ def test_auto_is_the_best_budget_vector(seed):
     gains, cost, _ = random_case(seed)
     budgets = auto_budgets(gains, cost).tolist()
     assert step_rate(gains, cost, budgets) == pytest.approx(brute_force(gains, cost), rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_auto_with_step_overheads_is_the_best_budget_vector(seed):
+    """With the engine's learned overheads (seconds a drafting and a plain step take beyond
+    the model), auto's budgets reach the best rate over every budget vector, with the
+    overheads counted; and a drafting overhead never makes the trees smaller (it lowers each
+    node's share of the step's cost)."""
+    gains, cost, _ = random_case(seed)
+    gen = torch.Generator().manual_seed(100 + seed)
+    overheads = tuple((torch.rand(2, generator=gen) * 1e-2).tolist())
+    budgets = auto_budgets(gains, cost, *overheads).tolist()
+    assert step_rate(gains, cost, budgets, overheads=overheads) == pytest.approx(
+        brute_force(gains, cost, overheads=overheads), rel=1e-9)
+    without = auto_budgets(gains, cost, versus_plain=False)
+    more = auto_budgets(gains, cost, overheads[0], versus_plain=False)
+    assert (more >= without).all(), (without, more)
+
+
+def test_a_step_overhead_gives_deeper_trees():
+    """One request, a node worth 0.09 tokens at 1 ms a verify row on a 10 ms step: not worth
+    it by the model alone (1.09 / 11 ms < 1 / 10 ms); with 10 ms of overhead every step
+    (vLLM's own work, the same whatever the tree) it is (1.09 / 21 ms > 1 / 20 ms)."""
+    gains = torch.tensor([[0.09]], dtype=torch.float64)
+    cost = CostModel((1, 2), (0.010, 0.011), (1,), (1e-9,))
+    assert auto_budgets(gains, cost, versus_plain=False).tolist() == [0]
+    assert auto_budgets(gains, cost, 0.010, versus_plain=False).tolist() == [1]
 
 
 @pytest.mark.parametrize("seed", range(40))

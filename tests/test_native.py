@@ -768,7 +768,7 @@ def test_tree_attention_equals_the_torch_twin(native, isa, dtype, bs, nkv, d, gr
 def test_auto_budget_function_equals_the_torch_path(native, versus_plain):
     """auto's budget function (calibrated gains, global ranking, the cost model's best k, the
     plain-decoding comparison) as one fused op gives the torch path's budgets: random trees,
-    calibrations, cost curves, scales, sampled and incomplete requests, structured requests
+    calibrations, cost curves, overheads, sampled and incomplete requests, structured requests
     (node costs, a limit of L nodes)."""
     from vllm_ddtree.budget import Calibration, CostModel, budget_function
 
@@ -785,7 +785,7 @@ def test_auto_budget_function_equals_the_torch_path(native, versus_plain):
         cost = CostModel(tuple(tokens), tuple(seconds), (1, 8), (0.002, 0.004 + trial * 1e-4))
         sampled = torch.rand(num_reqs, generator=gen) < 0.5
         complete = None if trial % 3 else torch.rand(num_reqs, generator=gen) < 0.7
-        scales = dict(on_scale=0.5 + trial / 20, off_scale=0.8 + trial / 40)
+        overheads = dict(on_overhead=trial * 2e-4, off_overhead=(trial % 7) * 3e-4)
         costs = {}
         if trial % 2:  # structured requests: their grammar cost per node, at most L nodes
             structured = torch.rand(num_reqs, generator=gen) < 0.6
@@ -795,7 +795,7 @@ def test_auto_budget_function_equals_the_torch_path(native, versus_plain):
 
         def budgets():
             fn = budget_function(cost, calibration, sampled, complete,
-                                 versus_plain=versus_plain, **scales, **costs)
+                                 versus_plain=versus_plain, **overheads, **costs)
             return fn(tree.scores, tree.depths)
 
         fused, ref = both_paths(native, budgets)

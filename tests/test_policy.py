@@ -74,9 +74,10 @@ def test_pauses_are_per_batch_bucket():
     assert not run_step(ctl, 9, [1] * 9)  # 9 requests share 8's bucket (power of two)
 
 
-def test_a_slow_step_moves_the_scales_little():
-    """Step costs are corrected by running ratios; one outlier (10x) moves them by at most
-    SCALE_EMA of a doubling, while a sustained change is followed."""
+def test_a_slow_step_moves_the_overheads_little():
+    """Step costs are corrected by running overheads (observed - predicted seconds); one
+    outlier (10x) moves them by at most OVERHEAD_EMA of the prediction, while a sustained change
+    is followed; a step faster than the model leaves no negative overhead."""
     ctl = controller()
     ctl.set_cost_model(CostModel((1, 100), (0.010, 0.010), (1,), (0.005,)))
     clock = [0.0]  # the scheduler's step stamps
@@ -87,12 +88,15 @@ def test_a_slow_step_moves_the_scales_little():
         clock[0] += seconds
 
     step(0.010, False)
-    step(0.100, False)  # 10x the model's 10 ms
+    step(0.100, False)  # 10x the model's 10 ms, clipped to 2x
     step(0.010, False)
-    assert ctl.off_scale == pytest.approx(1.0 + policy.SCALE_EMA * (2.0 - 1.0))
-    for _ in range(60):  # drafter steps at 30 ms, predicted 15 ms: on_scale -> 2
+    assert ctl.off_overhead == pytest.approx(policy.OVERHEAD_EMA * 0.010)
+    for _ in range(60):  # drafter steps at 30 ms, predicted 15 ms: on_overhead -> 15 ms
         step(0.030, True)
-    assert ctl.on_scale == pytest.approx(2.0, rel=0.01)
+    assert ctl.on_overhead == pytest.approx(0.015, rel=0.01)
+    for _ in range(200):  # plain steps faster than the model: the overhead goes to 0, not below
+        step(0.005, False)
+    assert ctl.off_overhead == 0.0
 
 
 def test_measured_rate_is_a_mean_then_an_exponential_average():
@@ -314,7 +318,7 @@ def test_once_measured_the_rates_decide_whether_to_draft_and_the_model_sizes_tre
     request: the best tree, one node, 1.9 tokens in 3 ms, against 1 token in 1 ms); the
     measurements say drafting pays (3 tokens in 10 ms against 1 in 5 ms). Without both rates the
     model's answer stands (budget 0); with them the drafter runs and gets the model's best
-    tree given that it runs: k = 1 of (1 + [0, .9, 1.4]) / ([1, 2, 3] + 1) tokens per ms."""
+    tree given that it runs, with the step overhead it has learned (below)."""
     engine = Engine()
     ctl = engine.ctl
     ctl.set_cost_model(CostModel((1, 2), (1e-3, 2e-3), (1,), (1e-3,)))
@@ -323,7 +327,12 @@ def test_once_measured_the_rates_decide_whether_to_draft_and_the_model_sizes_tre
     assert ctl.budget(1, None)(scores, depths).tolist() == [0]
     ran = [engine.step(0.010, 3, 0.005) for _ in range(EXPLORE_AFTER + 2 + FIRST_PAUSE + 8)]
     assert ran.count(False) == FIRST_PAUSE and all(ran[-8:])
-    assert ctl.budget(1, None)(scores, depths).tolist() == [1]
+    # the tree given the drafting steps' learned overhead o (10 ms steps against a model of
+    # 3 ms): k of (1 + [0, .9, 1.4]) / ([1, 2, 3] + 1 + o) tokens per ms, k = 2 once o > 1 ms
+    overhead_ms = ctl.on_overhead * 1e3
+    assert 1.0 < overhead_ms < 7.0
+    rates = [(1 + g) / (t + 1 + overhead_ms) for g, t in zip([0, 0.9, 1.4], [1, 2, 3])]
+    assert ctl.budget(1, None)(scores, depths).tolist() == [rates.index(max(rates))] == [2]
     # another batch bucket has no measurements: the model still decides there
     assert ctl.budget(2, None)(scores.expand(2, 2), depths.expand(2, 2)).tolist() == [0, 0]
 

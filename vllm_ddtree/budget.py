@@ -11,7 +11,7 @@ trees (:class:`Calibration`, running on the device).
 "auto" (:func:`auto_budgets`) maximises the expected emitted tokens per second of a step: with
 R requests and k verified nodes in all, a step emits ``R + S_k`` tokens (``S_k``: the gains of
 the k nodes) and costs ``T_verify(R + k) + T_draft(R)`` (:class:`CostModel`, measured by the
-engine). The k nodes of largest gain over ALL requests of the batch are taken, k chosen by an
+engine) plus the step's overhead beyond the forwards (learned online by the engine). The k nodes of largest gain over ALL requests of the batch are taken, k chosen by an
 exhaustive argmax over ``0 .. R * B`` (gains are sorted, so this is the best set of every size);
 each request's budget is its number of nodes among them. Whether to draft at all is a second
 question: until the engine has measured both kinds of step in this regime, the model answers it
@@ -184,8 +184,8 @@ def node_gains(scores: torch.Tensor, depths: torch.Tensor, factors: torch.Tensor
     return torch.where(depths > 0, c * scores.double().exp(), 0.0)
 
 
-def auto_budgets(gains: torch.Tensor, cost: CostModel, on_scale: float = 1.0,
-                 off_scale: float = 1.0, versus_plain: bool = True,
+def auto_budgets(gains: torch.Tensor, cost: CostModel, on_overhead: float = 0.0,
+                 off_overhead: float = 0.0, versus_plain: bool = True,
                  node_cost: torch.Tensor | None = None) -> torch.Tensor:
     """Per-request budgets ``[R]`` int64 that maximise the expected tokens per second of a step.
 
@@ -193,8 +193,10 @@ def auto_budgets(gains: torch.Tensor, cost: CostModel, on_scale: float = 1.0,
         gains: ``[R, B]`` calibrated node gains in each request's best-first order (non-
             increasing along a row; 0 for padding).
         cost: the step cost model.
-        on_scale, off_scale: observed / predicted step time of steps that drafted, and of
-            steps that did not (the engine's online correction; 1 = trust the model).
+        on_overhead, off_overhead: seconds that a step which drafted, and one which did not,
+            takes beyond the model's prediction (the engine's online correction, >= 0: vLLM's
+            scheduling and input preparation, which the start-up measurement of forwards does
+            not see and which no node adds to; 0 = trust the model).
         versus_plain: compare the best tree step with plain decoding (the model decides
             whether to draft at all); False when the engine's measured rates decide that, so
             the budgets are the best trees given that the drafter runs.
@@ -207,9 +209,10 @@ def auto_budgets(gains: torch.Tensor, cost: CostModel, on_scale: float = 1.0,
             keep each request's best-first order.
 
     The nodes of all requests are ranked by gain (ties: request, then node order); taking the
-    first k costs ``T_verify(R + k) + T_draft(R)`` and emits ``R + S_k`` tokens in expectation.
-    The best k wins, unless ``versus_plain`` and ``R / T_verify(R)`` (no drafter at all) is at
-    least as good: then every budget is 0. A request's budget is its number of nodes among the
+    first k costs ``T_verify(R + k) + T_draft(R) + on_overhead`` and emits ``R + S_k`` tokens in
+    expectation. The best k wins (with ``versus_plain``, the best k >= 1: a step without nodes
+    is plain decoding's), unless ``versus_plain`` and ``R / (T_verify(R) + off_overhead)`` (no
+    drafter at all) is at least as good: then every budget is 0. A request's budget is its number of nodes among the
     first k, a prefix of its best-first list, hence a subtree.
 
     Example: two requests with gains [[.9, .5], [.6, .1]], T_verify(n) = n ms, T_draft = 1 ms:
@@ -221,7 +224,7 @@ def auto_budgets(gains: torch.Tensor, cost: CostModel, on_scale: float = 1.0,
     device = gains.device
     flat = gains.flatten()
     k = torch.arange(num_reqs * width + 1, device=device)
-    step_time = (cost.verify_time(num_reqs + k) + cost.draft_time(num_reqs)) * on_scale
+    step_time = cost.verify_time(num_reqs + k) + cost.draft_time(num_reqs) + on_overhead
 
     def best_prefix(key: torch.Tensor, per_node: torch.Tensor | None):
         """(order of the nodes by ``key``, best k, its rate)."""
@@ -231,6 +234,8 @@ def auto_budgets(gains: torch.Tensor, cost: CostModel, on_scale: float = 1.0,
         if per_node is not None:
             time = step_time + torch.cat([flat.new_zeros(1), per_node[order].cumsum(0)])
         rate = (num_reqs + taken) / time
+        if versus_plain and rate.numel() > 1:  # no nodes is plain decoding's step, priced below
+            rate = torch.cat([rate.new_full((1,), float("-inf")), rate[1:]])
         keep = rate.argmax()
         return order, keep, rate[keep]
 
@@ -247,7 +252,7 @@ def auto_budgets(gains: torch.Tensor, cost: CostModel, on_scale: float = 1.0,
         order = torch.where(better, order2, order)
         keep, best = torch.where(better, keep2, keep), torch.maximum(best, best2)
     if versus_plain:
-        plain = num_reqs / (cost.verify_time_host(num_reqs) * off_scale)
+        plain = num_reqs / (cost.verify_time_host(num_reqs) + off_overhead)
         keep = torch.where(best > plain, keep, 0)
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=device)
@@ -256,8 +261,8 @@ def auto_budgets(gains: torch.Tensor, cost: CostModel, on_scale: float = 1.0,
 
 
 def budget_function(cost: CostModel, calibration: Calibration, sampled: torch.Tensor,
-                    complete: torch.Tensor | None = None, on_scale: float = 1.0,
-                    off_scale: float = 1.0, versus_plain: bool = True,
+                    complete: torch.Tensor | None = None, on_overhead: float = 0.0,
+                    off_overhead: float = 0.0, versus_plain: bool = True,
                     node_cost: torch.Tensor | None = None, limit: torch.Tensor | None = None):
     """auto's ``build_tree`` budget for one step: ``fn(scores, depths) -> [R]`` budgets from
     the calibrated node gains (:func:`node_gains`) and the step cost model
@@ -272,7 +277,7 @@ def budget_function(cost: CostModel, calibration: Calibration, sampled: torch.Te
     ops = cpu_ops(sampled.device)
     if ops is not None:
         xs, ys = cost._points(sampled.device)
-        plain_time = cost.verify_time_host(num_reqs) * off_scale if versus_plain else 0.0
+        plain_time = cost.verify_time_host(num_reqs) + off_overhead if versus_plain else 0.0
         draft_time = cost.draft_time(num_reqs)
         everyone = sampled[:0]  # an empty mask: every request's context is complete
         costs = (xs[:0], xs[:0].long()) if node_cost is None else (node_cost, limit)
@@ -282,7 +287,7 @@ def budget_function(cost: CostModel, calibration: Calibration, sampled: torch.Te
                                     calibration.predicted, calibration.observed,
                                     calibration.prior, sampled,
                                     everyone if complete is None else complete.contiguous(), xs, ys,
-                                    draft_time, on_scale, plain_time, *costs)
+                                    draft_time, on_overhead, plain_time, *costs)
 
         return fused
     factors = calibration.factors()
@@ -294,7 +299,7 @@ def budget_function(cost: CostModel, calibration: Calibration, sampled: torch.Te
         if limit is not None:
             index = torch.arange(gains.shape[1], device=gains.device)
             gains = gains * (index[None, :] < limit[:, None])
-        return auto_budgets(gains, cost, on_scale=on_scale, off_scale=off_scale,
+        return auto_budgets(gains, cost, on_overhead=on_overhead, off_overhead=off_overhead,
                             versus_plain=versus_plain, node_cost=node_cost)
 
     return budgets

@@ -585,14 +585,16 @@ Tensor context_complete(const Tensor& valid, const Tensor& block_table,
 // for one drafting step. scores/depths: [R, B] of the full-width trees; predicted/observed:
 // [2, L] float64, the calibration (row 0 greedy, row 1 sampled requests); sampled, complete:
 // [R] bool (complete: empty = every request); xs/ys: the verify cost curve (float64);
-// plain_time: the step time of plain decoding (<= 0: the measured rates decide whether to
-// draft, the model only sizes the trees); node_cost: [R] float64 seconds each node of a request
+// on_overhead: seconds a drafting step takes beyond the model (added to every tree's time);
+// plain_time: the step time of plain decoding, its overhead included (<= 0: the measured rates
+// decide whether to draft, the model only sizes the trees; > 0: a tree of at least one node
+// competes with it, since a step without nodes is plain decoding's); node_cost: [R] float64 seconds each node of a request
 // adds beyond its verify row (the scheduler's grammar work), limit: [R] int64 the most nodes a
 // request can send (both empty: none). Returns the per-request budgets [R] int64.
 Tensor auto_budgets(const Tensor& scores, const Tensor& depths, const Tensor& predicted,
                     const Tensor& observed, double prior, const Tensor& sampled,
                     const Tensor& complete, const Tensor& xs, const Tensor& ys,
-                    double draft_time, double on_scale, double plain_time,
+                    double draft_time, double on_overhead, double plain_time,
                     const Tensor& node_cost, const Tensor& limit) {
   for (auto* t : {&scores, &depths, &predicted, &observed, &sampled, &complete, &xs, &ys,
                   &node_cost, &limit}) {
@@ -646,7 +648,7 @@ Tensor auto_budgets(const Tensor& scores, const Tensor& depths, const Tensor& pr
     return std::max(t, y_min * 1e-3);
   };
   const auto step_time = [&](int64_t k) {
-    return (verify_time(static_cast<double>(R + k)) + draft_time) * on_scale;
+    return verify_time(static_cast<double>(R + k)) + draft_time + on_overhead;
   };
   // the nodes ranked by key, best first; the best prefix of that order: (k, its rate)
   std::vector<int64_t> order(N);
@@ -661,6 +663,7 @@ Tensor auto_budgets(const Tensor& scores, const Tensor& depths, const Tensor& pr
         taken += gains[ranked[k - 1]];
         if (nc != nullptr) extra += nc[ranked[k - 1] / B];
       }
+      if (k == 0 && plain_time > 0 && N > 0) continue;  // no nodes is plain decoding's step
       const double rate = (static_cast<double>(R) + taken) / (step_time(k) + extra);
       if (rate > best_rate) {  // the first of equal maxima, as torch.argmax
         best_rate = rate;
@@ -1456,7 +1459,7 @@ TORCH_LIBRARY(ddtree, m) {
   m.def("top_k_(Tensor(a!) values, Tensor(b!) ids, Tensor scores) -> bool");
   m.def("auto_budgets(Tensor scores, Tensor depths, Tensor predicted, Tensor observed, "
         "float prior, Tensor sampled, Tensor complete, Tensor xs, Tensor ys, float draft_time, "
-        "float on_scale, float plain_time, Tensor node_cost, Tensor limit) -> Tensor");
+        "float on_overhead, float plain_time, Tensor node_cost, Tensor limit) -> Tensor");
   m.def("calibration_observe_(Tensor(a!) predicted, Tensor(b!) observed, Tensor scores, "
         "Tensor depths, Tensor num_accepted, Tensor counted, Tensor sampled, float decay) -> ()");
   m.def("copy_slots_(Tensor(a!)[] flats, Tensor offsets, int slot_stride, Tensor slot_mapping, "

@@ -42,11 +42,15 @@ rank with the step), a start-up cost model reduced over the ranks, the step's em
 device results that are identical on every rank. No rank reads its own clock for a decision.
 
 Online correction: the wall time between consecutive decode steps is compared with the cost
-model's prediction for what the step did (drafter on, or paused); the running ratios
-(``on_scale``, ``off_scale``) rescale the two sides of the comparison, so costs the start-up
-measurement cannot see (the CPU backend's tree attention, the sampler's rows) are learned. One
-observation moves a ratio by at most ``SCALE_EMA`` of a factor of 2 (a page fault or another
-process's burst must not switch the drafter off).
+model's prediction for what the step did (drafter on, or paused); the running differences
+(``on_overhead``, ``off_overhead``, seconds, >= 0) are added to the two sides of the comparison,
+so the step's work that the start-up measurement of forwards cannot see (vLLM's scheduling and
+input preparation, the plugin's stages: half of a step on the CPU) is learned. It is added,
+not multiplied: it does not grow with the nodes of a tree, so a model scaled by it would price
+each node as if it cost the whole step's overhead too, and size the trees too small (a scale,
+multiplying every tree's time alike, also left the trees exactly as the model sized them). One
+observation is clipped to [1/2, 2] x the corrected prediction and weighs ``OVERHEAD_EMA`` (a page
+fault or another process's burst must not switch the drafter off).
 
 Measured rates: the model sizes the trees, but whether drafting pays at all is also checked
 against what the engine actually got. Per batch bucket, decode steps that verified drafts
@@ -86,7 +90,7 @@ logger = logging.getLogger("vllm.ddtree")  # under vLLM's logger: its handlers a
 FIRST_PAUSE, MAX_PAUSE = 8, 256  # steps: auto's pause after a "do not draft" answer, doubling
 PAUSE_AFTER = 2  # consecutive "do not draft" answers before the first pause of a bucket
 ANSWER_EMA = 0.2  # weight of each answer in a bucket's running rate of "draft" answers
-SCALE_EMA = 0.1  # weight of each new step-time observation in the online correction
+OVERHEAD_EMA = 0.1  # weight of each new step-time observation in the online correction
 MEASURED_EMA = 0.1  # weight of each step in a bucket's measured drafting / plain rates
 MIN_MEASURED = 4  # steps of each kind before the measured rates can say "no"
 PROBE_STEPS = MIN_MEASURED + 2  # steps the drafter runs in a probe (one verifies nothing)
@@ -158,7 +162,7 @@ class BudgetController:
         self._pause: dict[int, int] = {}  # batch bucket -> the pause length that would follow
         self._no_streak: dict[int, int] = {}  # batch bucket -> consecutive "do not draft"
         self._draft_rate: dict[int, float] = {}  # batch bucket -> running rate of "draft"
-        self.on_scale = self.off_scale = 1.0
+        self.on_overhead = self.off_overhead = 0.0  # seconds, see the module doc
         # (start, R, tokens, verified drafts) of the step in flight
         self._last: tuple[float, int, int, bool] | None = None
         self._emitted: int | None = None  # tokens the step in flight emitted (sample_tokens)
@@ -176,7 +180,8 @@ class BudgetController:
     def decision_state(self) -> tuple:
         """Everything the policy's next decisions depend on, host side (compared across the
         tensor-parallel ranks each step under ``VLLM_DDTREE_CHECK_RANKS=1``, ``ranks.py``)."""
-        return (self.step, self._drafting_now, self.on_scale, self.off_scale, self.grammar_node_s,
+        return (self.step, self._drafting_now, self.on_overhead, self.off_overhead,
+                self.grammar_node_s,
                 sorted(self._pause_until.items()), sorted(self._pause.items()),
                 sorted(self._no_streak.items()), sorted(self._draft_rate.items()),
                 sorted(self._remeasure_at.items()), sorted(self._probe_started.items()),
@@ -257,7 +262,7 @@ class BudgetController:
             limit = to_device([limits[0] if s else limits[1] for s in structured], torch.int64,
                               self.device)
         return budget_function(self.cost, self.calibration, sampled, complete,
-                               on_scale=self.on_scale, off_scale=self.off_scale,
+                               on_overhead=self.on_overhead, off_overhead=self.off_overhead,
                                versus_plain=versus_plain, node_cost=node_cost, limit=limit)
 
     # --- after the drafts reached the host (take_draft_token_ids) --------------------------
@@ -411,9 +416,9 @@ class BudgetController:
         predicted = self.cost.verify_time_host(tokens) + grammar_s
         if self._drafting_now:
             predicted += self.cost.draft_time(reqs)
-            self.on_scale = _updated_scale(self.on_scale, (now - start) / predicted)
+            self.on_overhead = _updated_overhead(self.on_overhead, now - start, predicted)
         else:
-            self.off_scale = _updated_scale(self.off_scale, (now - start) / predicted)
+            self.off_overhead = _updated_overhead(self.off_overhead, now - start, predicted)
 
     # --- observability ----------------------------------------------------------------------
 
@@ -432,7 +437,8 @@ class BudgetController:
             factors = self.calibration.factors()  # a sync: only for logs and benchmarks
             out["calibration_greedy"] = [round(float(c), 3) for c in factors[0]]
             out["calibration_sampled"] = [round(float(c), 3) for c in factors[1]]
-            out["on_scale"], out["off_scale"] = round(self.on_scale, 3), round(self.off_scale, 3)
+            out["on_overhead_ms"] = round(self.on_overhead * 1e3, 3)
+            out["off_overhead_ms"] = round(self.off_overhead * 1e3, 3)
             out["measured_tokens_per_s"] = {
                 f"{1 << (bucket - 1)}-{(1 << bucket) - 1} requests, "
                 f"{'drafting' if drafting else 'plain'}": round(rate.tokens_per_s(), 1)
@@ -456,8 +462,9 @@ class BudgetController:
         extra = ""
         if self.calibration is not None:
             extra = (f", calibration per depth {s['calibration_greedy']} (greedy) "
-                     f"{s['calibration_sampled']} (sampled), cost scales on {s['on_scale']} "
-                     f"off {s['off_scale']}, measured tokens/s {s['measured_tokens_per_s']}")
+                     f"{s['calibration_sampled']} (sampled), step overhead beyond the model "
+                     f"{s['on_overhead_ms']} ms drafting, {s['off_overhead_ms']} ms not, "
+                     f"measured tokens/s {s['measured_tokens_per_s']}")
         logger.info("ddtree %s budgets: %.1f nodes per request per step over %d steps, drafter "
                     "on in %.0f%% of them, cold in %.0f%%%s", s["policy"],
                     s["mean_nodes_per_request_step"], s["steps"], 100 * s["drafter_on_fraction"],
@@ -467,9 +474,12 @@ class BudgetController:
         return True
 
 
-def _updated_scale(scale: float, ratio: float) -> float:
-    """The running observed / predicted ratio after one more step: an exponential average
-    (weight ``SCALE_EMA``) of the ratio clipped to [scale / 2, 2 * scale] and to [0.05, 20].
-    Example: scale 1.0, a 10x outlier -> 1.1 (unclipped it would be 1.9)."""
-    ratio = min(max(ratio, scale / 2, 0.05), 2 * scale, 20.0)
-    return scale + SCALE_EMA * (ratio - scale)
+def _updated_overhead(overhead: float, seconds: float, predicted: float) -> float:
+    """The running observed - predicted step time after one more step of ``seconds``: an
+    exponential average (weight ``OVERHEAD_EMA``) of the difference, the step's time clipped to
+    [1/2, 2] x ``predicted + overhead``, and never below 0 (a model measured on a busy machine
+    is left as it is). Example: overhead 0, predicted 10 ms, a 100 ms outlier -> 1 ms (unclipped
+    it would be 9 ms); steps of 30 ms at a prediction of 15 ms -> 15 ms."""
+    expected = predicted + overhead
+    seconds = min(max(seconds, expected / 2), 2 * expected)
+    return max(overhead + OVERHEAD_EMA * (seconds - expected), 0.0)
