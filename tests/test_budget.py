@@ -11,12 +11,14 @@ import pytest
 import torch
 
 from vllm_ddtree.budget import (
+    SCORE_BINS,
     Calibration,
     CostModel,
     TablePolicy,
     _interpolate,
     auto_budgets,
     node_gains,
+    score_bins,
 )
 
 
@@ -146,30 +148,49 @@ def test_auto_with_node_costs_is_the_best_budget_vector(seed):
         brute_force(gains, cost, costs), rel=1e-9)
 
 
-def test_node_gains_apply_the_depth_calibration():
-    scores = torch.tensor([[math.log(0.5), math.log(0.25), float("-inf")]])
-    depths = torch.tensor([[1, 2, 0]])
-    factors = torch.tensor([[1.0, 0.5, 1.0], [2.0, 2.0, 2.0]], dtype=torch.float64)
+def test_score_bins_are_unit_wide_in_log_probability():
+    scores = torch.tensor([0.0, -0.5, -1.0, -1.5, -4.99, -5.0, -30.0, float("-inf")])
+    assert score_bins(scores).tolist() == [0, 0, 1, 1, 4, 5, 5, 5]
+    assert SCORE_BINS == 6
+
+
+def test_node_gains_apply_the_calibration_of_their_depth_and_score_bin():
+    # q .5 (bin 0) at depth 1, q .25 (bin 1) and q .01 (bin 4) at depth 2, padding
+    scores = torch.tensor([[math.log(0.5), math.log(0.25), math.log(0.01), float("-inf")]])
+    depths = torch.tensor([[1, 2, 2, 0]])
+    factors = torch.ones(2, 2, SCORE_BINS, dtype=torch.float64)
+    factors[0, 0, 0], factors[0, 1, 1], factors[0, 1, 4] = 1.0, 0.5, 3.0
+    factors[1] = 2.0
     greedy = node_gains(scores, depths, factors, torch.tensor([False]))
-    assert greedy[0].tolist() == pytest.approx([0.5, 0.125, 0.0], rel=1e-6)
+    assert greedy[0].tolist() == pytest.approx([0.5, 0.125, 0.03, 0.0], rel=1e-6)
     sampled = node_gains(scores, depths, factors, torch.tensor([True]))
-    assert sampled[0].tolist() == pytest.approx([1.0, 0.5, 0.0], rel=1e-6)
+    assert sampled[0].tolist() == pytest.approx([1.0, 0.5, 0.02, 0.0], rel=1e-6)
 
 
-def test_calibration_counts_verified_trees_per_depth():
+def test_calibration_counts_each_node_in_its_depth_and_score_bin():
     cal = Calibration(depth=2, device=torch.device("cpu"), decay=1.0, prior=0.0)
-    # two greedy trees: depth-1 mass .9 each (.6 + .3), depth-2 mass .2; one accepts 1 token
+    # two greedy trees: depth 1 nodes .6 (bin 0) and .3 (bin 1), depth 2 node .2 (bin 1, a
+    # child of the .6 node); the first tree accepts its .6 node, the second its .3 node
     scores = torch.tensor([[0.6, 0.3, 0.2], [0.6, 0.3, 0.2]]).log()
     depths = torch.tensor([[1, 1, 2], [1, 1, 2]])
-    cal.observe(scores, depths, torch.tensor([1, 0]), counted=torch.tensor([True, True]),
+    accepted = torch.tensor([[0, -1], [1, -1]])
+    cal.observe(scores, depths, accepted, counted=torch.tensor([True, True]),
                 sampled=torch.tensor([False, False]))
     # a third row that is not counted (a chain fallback) changes nothing
-    cal.observe(scores[:1], depths[:1], torch.tensor([2]), counted=torch.tensor([False]),
+    cal.observe(scores[:1], depths[:1], torch.tensor([[0, 2]]), counted=torch.tensor([False]),
                 sampled=torch.tensor([False]))
     factors = cal.factors()
-    assert factors[0, 0].item() == pytest.approx(1 / 1.8)
-    assert factors[0, 1].item() == pytest.approx(0.0)
-    assert torch.isnan(factors[1]).all()  # no sampled evidence and no prior: 0 / 0
+    assert factors[0, 0, 0].item() == pytest.approx(1 / 1.2)  # one of two .6 nodes
+    assert factors[0, 0, 1].item() == pytest.approx(1 / 0.6)  # one of two .3 nodes
+    assert factors[0, 1, 1].item() == pytest.approx(0.0)  # no depth-2 node accepted
+    assert torch.isnan(factors[0, 0, 2:]).all()  # empty cells, no prior: 0 / 0
+    assert torch.isnan(factors[1]).all()  # no sampled evidence
+    # with a prior, empty cells are 1 and evidence pulls the factor from it
+    cal = Calibration(depth=2, device=torch.device("cpu"), decay=1.0, prior=1.0)
+    cal.observe(scores, depths, accepted, counted=torch.tensor([True, True]),
+                sampled=torch.tensor([False, False]))
+    assert cal.factors()[0, 0, 0].item() == pytest.approx(2 / 2.2)
+    assert cal.factors()[0, 0, 3].item() == 1.0
 
 
 def test_table_policy_rows():

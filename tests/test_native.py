@@ -778,8 +778,9 @@ def test_auto_budget_function_equals_the_torch_path(native, versus_plain):
         logits = torch.randn(num_reqs, depth, 40, generator=gen) * (1 + trial % 4)
         tree = build_tree(logits, width)
         calibration = Calibration(depth, torch.device("cpu"))
-        calibration.predicted.copy_(torch.rand(2, depth, generator=gen, dtype=torch.float64) * 5)
-        calibration.observed.copy_(torch.rand(2, depth, generator=gen, dtype=torch.float64) * 5)
+        shape = calibration.predicted.shape  # [2, depth, SCORE_BINS]
+        calibration.predicted.copy_(torch.rand(shape, generator=gen, dtype=torch.float64) * 5)
+        calibration.observed.copy_(torch.rand(shape, generator=gen, dtype=torch.float64) * 5)
         tokens = sorted(set(torch.randint(1, 600, (5,), generator=gen).tolist()))
         seconds = sorted((torch.rand(len(tokens), generator=gen) * 0.02 + 0.001).tolist())
         cost = CostModel(tuple(tokens), tuple(seconds), (1, 8), (0.002, 0.004 + trial * 1e-4))
@@ -804,8 +805,9 @@ def test_auto_budget_function_equals_the_torch_path(native, versus_plain):
 
 
 def test_calibration_observe_equals_the_torch_path(native):
-    """Calibration.observe as one fused op: the same decayed per-depth sums (float64, within
-    an ulp of exp), greedy and sampled rows apart, uncounted rows ignored."""
+    """Calibration.observe as one fused op: the same decayed sums per depth and score bin
+    (float64, within an ulp of exp), greedy and sampled rows apart, uncounted rows ignored,
+    accepted nodes counted in their cells (the walk's accepted nodes of random targets)."""
     from vllm_ddtree.budget import Calibration
 
     gen = torch.Generator().manual_seed(4)
@@ -815,7 +817,18 @@ def test_calibration_observe_equals_the_torch_path(native):
         for step in range(12):
             tree = build_tree(torch.randn(4, 5, 30, generator=torch.Generator().manual_seed(step)),
                               torch.tensor([16, 3, 0, 9]), max_budget=16)
-            calibration.observe(tree.scores, tree.depths, torch.tensor([2, 0, 0, 5]),
+            gen = torch.Generator().manual_seed(100 + step)
+            # targets that mostly follow each row's first child (deep paths get accepted),
+            # else a random token
+            sampled = torch.randint(0, 30, (4, 17), generator=gen)
+            follow = torch.rand(4, 17, generator=gen) < 0.8
+            for r in range(4):
+                for c in reversed(range(16)):  # the first child of each row wins
+                    row = int(tree.parents[r, c]) + 1
+                    if tree.depths[r, c] > 0 and follow[r, row]:
+                        sampled[r, row] = tree.token_ids[r, c]
+            verdict = walk(tree, sampled)
+            calibration.observe(tree.scores, tree.depths, verdict.accepted_nodes,
                                 torch.tensor([True, True, False, True]),
                                 torch.tensor([step % 2 == 0, True, False, False]))
         return calibration.predicted, calibration.observed
@@ -823,7 +836,8 @@ def test_calibration_observe_equals_the_torch_path(native):
     (p1, o1), (p2, o2) = both_paths(native, run)
     torch.testing.assert_close(p1, p2, rtol=1e-13, atol=0)
     assert torch.equal(o1, o2)
-    assert bool((p1 > 0).any())
+    assert bool((p1 > 0).any()) and bool((o1[:, 1:] > 0).any())  # deep nodes accepted too
+    assert int((p1[0] > 0).sum()) > 5  # several cells
 
 
 @pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])

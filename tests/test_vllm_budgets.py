@@ -26,9 +26,9 @@ from vllm_ddtree.plugin.policy import BudgetController
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=512)
-# T_verify(n) = 10 ms + 1 ms per token, drafter 1 ms: a node pays only if its calibrated path
-# probability beats the step's rate times 1 ms, so confident requests draft, others do not
-MIXED_COST = CostModel((1, 1001), (0.011, 1.011), (1,), (0.001,))
+# T_verify(n) = 10 ms + 0.4 ms per token, drafter 1 ms: a node pays only if its calibrated
+# path probability beats the step's rate times 0.4 ms, so confident requests draft, others do not
+MIXED_COST = CostModel((1, 1001), (0.0104, 0.4104), (1,), (0.001,))
 # drafting never pays: every node costs 1 s
 NEVER_COST = CostModel((1, 2), (0.001, 1.0), (1,), (0.001,))
 # verification is free: every node pays
@@ -77,7 +77,7 @@ def test_auto_with_mixed_budgets_is_identical_to_plain_decoding(baseline, synthe
     assert len({n for b in budgets for n in b}) > 3  # budgets really vary
     summary = ddtree_state(llm).budgets.summary()
     assert 0 < summary["mean_nodes_per_request_step"] < 32
-    assert all(c > 0 for c in summary["calibration_greedy"])
+    assert all(c > 0 for row in summary["calibration_greedy"] for c in row)
     assert mean_acceptance_length(spec_metrics(llm)) > 1.2
     close(llm)
 

@@ -3,10 +3,12 @@
 A request's tree is its first b nodes in best-first order (any prefix is a subtree). Node i
 has score ``s_i = log q(path to i)`` under the drafter's factorised surrogate, and by DDTree's
 Prop. 1 the expected accepted length of a tree is the sum over its nodes of the probability of
-each node's path. The drafter is over- or under-confident, and more so deeper down, so the
-**gain** of a node at depth d is ``g = c_d * exp(s)``, where the calibration ``c_d`` is the
-ratio of the acceptances actually observed at depth d to the drafter's predictions for the same
-trees (:class:`Calibration`, running on the device).
+each node's path. The drafter is over- or under-confident, differently at each depth and each
+level of probability (the tiny pair's drafter: its likeliest paths about right, the paths of
+probability e^-3 to e^-5 accepted 2-5x more often than it says), so the **gain** of a node at
+depth d with score s is ``g = c_{d,b} * exp(s)``, ``b = bin(s)`` (:func:`score_bins`), where
+the calibration ``c_{d,b}`` is the ratio of the acceptances actually observed for such nodes to
+the drafter's predictions for them (:class:`Calibration`, running on the device).
 
 "auto" (:func:`auto_budgets`) maximises the expected emitted tokens per second of a step: with
 R requests and k verified nodes in all, a step emits ``R + S_k`` tokens (``S_k``: the gains of
@@ -33,7 +35,8 @@ import torch
 
 from vllm_ddtree.kernels.native import cpu_ops
 
-__all__ = ["CostModel", "Calibration", "TablePolicy", "auto_budgets", "budget_function"]
+__all__ = ["CostModel", "Calibration", "SCORE_BINS", "TablePolicy", "auto_budgets",
+           "budget_function", "score_bins"]
 
 
 def _interpolate(x: torch.Tensor, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
@@ -121,17 +124,31 @@ class CostModel:
                 ("verify_tokens", "verify_seconds", "draft_requests", "draft_seconds")}
 
 
-class Calibration:
-    """Per-depth calibration of the drafter's path probabilities, on the device.
+SCORE_BINS = 6  # score bins of the calibration: s in [-1, 0], [-2, -1), ..., below -5
 
-    For every verified tree (rows whose drafts were the recorded proposal), depth d predicts
-    ``P(accepted >= d) = sum of exp(score)`` over its nodes at depth d and observes whether the
-    walk accepted at least d tokens. Running sums of both decay by ``decay`` per update, and
-    ``c_d = (observed_d + prior) / (predicted_d + prior)``: 1 until evidence says otherwise.
-    Greedy and sampled requests are calibrated separately (row 0: greedy, row 1: sampled; the
-    walk at T > 0 accepts less than at T = 0).
-    Example: depth-1 nodes with q-mass 0.9 in two trees, one accepting a depth-1 token: with no
-    prior, c_1 = 1 / 1.8 = 0.56.
+
+def score_bins(scores: torch.Tensor) -> torch.Tensor:
+    """The calibration's bin of each path log-probability: ``min(floor(-s), SCORE_BINS - 1)``
+    (int64, same shape), so unit-wide bins in natural log: q >= 1/e is bin 0, q in
+    [e^-2, e^-1) bin 1, ..., q < e^-5 bin 5. Padding (-inf) lands in the last bin."""
+    return (-scores).floor().clamp(0, SCORE_BINS - 1).long()
+
+
+class Calibration:
+    """Calibration of the drafter's path probabilities per depth and score bin, on the device.
+
+    For every verified tree (rows whose drafts were the recorded proposal), each node at depth
+    d with score s predicts ``exp(s)`` acceptances of its path, and counts one if the walk
+    accepted it; both go to the cell ``(d, score_bins(s))``. Running sums decay by ``decay``
+    per update, and ``c_{d,b} = (observed + prior) / (predicted + prior)``: 1 until evidence
+    says otherwise. Greedy and sampled requests are calibrated separately (row 0: greedy, row
+    1: sampled; the walk at T > 0 accepts less than at T = 0). A per-depth ratio alone weighed
+    each node by its probability, so the likeliest paths set every node's factor; the tiny
+    pair's drafter is about right on its likeliest paths and 2-5x too pessimistic on its paths
+    of probability e^-5 to e^-3 (docs/measurements.md, "auto's calibration per score bin"),
+    which auto then did not draft.
+    Example: depth-1 nodes of probability .6 (bin 0) and .3 (bin 1) in two trees, the .6 one
+    accepted once: with no prior, c_{1,0} = 1 / 1.2 = 0.83 and c_{1,1} = 0 / 0.6 = 0.
     """
 
     def __init__(self, depth: int, device: torch.device, decay: float = 0.99,
@@ -139,48 +156,57 @@ class Calibration:
         self.depth = depth
         self.decay = decay
         self.prior = prior
-        self.predicted = torch.zeros(2, depth, dtype=torch.float64, device=device)
-        self.observed = torch.zeros(2, depth, dtype=torch.float64, device=device)
+        self.predicted = torch.zeros(2, depth, SCORE_BINS, dtype=torch.float64, device=device)
+        self.observed = torch.zeros(2, depth, SCORE_BINS, dtype=torch.float64, device=device)
 
     def factors(self) -> torch.Tensor:
-        """``[2, L]`` float64: c_d for greedy (row 0) and sampled (row 1) requests."""
+        """``[2, L, SCORE_BINS]`` float64: c_{d,b} for greedy (row 0) and sampled (row 1)
+        requests."""
         return (self.observed + self.prior) / (self.predicted + self.prior)
 
-    def observe(self, scores: torch.Tensor, depths: torch.Tensor, num_accepted: torch.Tensor,
+    def observe(self, scores: torch.Tensor, depths: torch.Tensor, accepted_nodes: torch.Tensor,
                 counted: torch.Tensor, sampled: torch.Tensor) -> None:
         """Fold in one verify step.
 
         Args:
             scores: ``[R, B]`` log q of each node's path (-inf for padding).
             depths: ``[R, B]`` node depths, 0 for padding.
-            num_accepted: ``[R]`` accepted nodes per request.
+            accepted_nodes: ``[R, L']`` int64 the accepted nodes of each request (the walk's
+                :attr:`TreeVerdict.accepted_nodes`), -1 padded.
             counted: ``[R]`` bool, the rows to count (trees that were the drafter's proposal).
             sampled: ``[R]`` bool, the request samples (T > 0).
         """
         ops = cpu_ops(scores.device)
         if ops is not None:  # the fused CPU kernel: one op
             ops.calibration_observe_(self.predicted, self.observed, scores.contiguous(),
-                                     depths.contiguous(), num_accepted.contiguous(),
+                                     depths.contiguous(), accepted_nodes.contiguous(),
                                      counted.contiguous(), sampled.contiguous(), self.decay)
             return
-        num_reqs = scores.shape[0]
-        level = torch.arange(1, self.depth + 1, device=scores.device)
-        mass = torch.zeros(num_reqs, self.depth + 1, dtype=torch.float64, device=scores.device)
-        mass.scatter_add_(1, depths.clamp(0, self.depth), scores.double().exp()
-                          .masked_fill(depths <= 0, 0.0))
-        predicted = mass[:, 1:]  # [R, L]
-        observed = (num_accepted[:, None] >= level[None, :]).double()
+        num_reqs, width = scores.shape
+        cells = self.depth * SCORE_BINS
+        # each node's cell (d - 1) * SCORE_BINS + bin; padding to an extra cell, dropped
+        real = depths > 0
+        cell = torch.where(real, (depths.clamp(1, self.depth) - 1) * SCORE_BINS
+                           + score_bins(scores), cells)
+        accepted = torch.zeros(num_reqs, width + 1, dtype=torch.float64, device=scores.device)
+        accepted.scatter_(1, torch.where(accepted_nodes >= 0, accepted_nodes, width), 1.0)
         weight = counted.double()[:, None]
+        predicted = torch.zeros(num_reqs, cells + 1, dtype=torch.float64, device=scores.device)
+        predicted.scatter_add_(1, cell, scores.double().exp().masked_fill(~real, 0.0) * weight)
+        observed = torch.zeros_like(predicted)
+        observed.scatter_add_(1, cell, accepted[:, :width] * weight)
         kind = sampled.long()
-        self.predicted.mul_(self.decay).index_add_(0, kind, predicted * weight)
-        self.observed.mul_(self.decay).index_add_(0, kind, observed * weight)
+        shape = (num_reqs, self.depth, SCORE_BINS)
+        self.predicted.mul_(self.decay).index_add_(0, kind, predicted[:, :cells].view(shape))
+        self.observed.mul_(self.decay).index_add_(0, kind, observed[:, :cells].view(shape))
 
 
 def node_gains(scores: torch.Tensor, depths: torch.Tensor, factors: torch.Tensor,
                sampled: torch.Tensor) -> torch.Tensor:
-    """``[R, B]`` calibrated gain ``c_d * exp(score)`` of every node, 0 for padding."""
-    rows = factors[sampled.long()]  # [R, L]
-    c = rows.gather(1, (depths - 1).clamp(min=0))
+    """``[R, B]`` calibrated gain ``c_{d,bin(s)} * exp(s)`` of every node, 0 for padding."""
+    rows = factors[sampled.long()].flatten(1)  # [R, L * SCORE_BINS]
+    cell = (depths - 1).clamp(min=0) * SCORE_BINS + score_bins(scores)
+    c = rows.gather(1, cell)
     return torch.where(depths > 0, c * scores.double().exp(), 0.0)
 
 

@@ -581,16 +581,25 @@ Tensor context_complete(const Tensor& valid, const Tensor& block_table,
   return out;
 }
 
+// The calibration's score bin of a path log-probability s: min(floor(-s), bins - 1)
+// (vllm_ddtree.budget.score_bins; -inf in the last bin)
+inline int64_t score_bin(float s, int64_t bins) {
+  const float f = std::floor(-s);
+  if (!(f < static_cast<float>(bins - 1))) return bins - 1;
+  return f <= 0.0f ? 0 : static_cast<int64_t>(f);
+}
+
 // auto's budget function (vllm_ddtree.budget: Calibration.factors, node_gains, auto_budgets)
 // for one drafting step. scores/depths: [R, B] of the full-width trees; predicted/observed:
-// [2, L] float64, the calibration (row 0 greedy, row 1 sampled requests); sampled, complete:
-// [R] bool (complete: empty = every request); xs/ys: the verify cost curve (float64);
-// on_overhead: seconds a drafting step takes beyond the model (added to every tree's time);
-// plain_time: the step time of plain decoding, its overhead included (<= 0: the measured rates
-// decide whether to draft, the model only sizes the trees; > 0: a tree of at least one node
-// competes with it, since a step without nodes is plain decoding's); node_cost: [R] float64 seconds each node of a request
-// adds beyond its verify row (the scheduler's grammar work), limit: [R] int64 the most nodes a
-// request can send (both empty: none). Returns the per-request budgets [R] int64.
+// [2, L, bins] float64, the calibration per depth and score bin (row 0 greedy, row 1 sampled);
+// sampled, complete: [R] bool (complete: empty = every request); xs/ys: the verify cost curve
+// (float64); on_overhead: seconds a drafting step takes beyond the model (added to every
+// tree's time); plain_time: the step time of plain decoding, its overhead included (<= 0: the
+// measured rates decide whether to draft, the model only sizes the trees; > 0: a tree of at
+// least one node competes with it, since a step without nodes is plain decoding's);
+// node_cost: [R] float64 seconds each node of a request adds beyond its verify row (the
+// scheduler's grammar work), limit: [R] int64 the most nodes a request can send (both empty:
+// none). Returns the per-request budgets [R] int64.
 Tensor auto_budgets(const Tensor& scores, const Tensor& depths, const Tensor& predicted,
                     const Tensor& observed, double prior, const Tensor& sampled,
                     const Tensor& complete, const Tensor& xs, const Tensor& ys,
@@ -610,8 +619,10 @@ Tensor auto_budgets(const Tensor& scores, const Tensor& depths, const Tensor& pr
                   observed.scalar_type() == at::kDouble && sampled.scalar_type() == at::kBool &&
                   xs.scalar_type() == at::kDouble && ys.scalar_type() == at::kDouble,
               "auto_budgets: unexpected dtypes");
+  TORCH_CHECK(predicted.dim() == 3 && observed.sizes() == predicted.sizes(),
+              "auto_budgets: predicted and observed must be [2, L, bins]");
   const int64_t R = scores.size(0), B = scores.size(1), L = predicted.size(1);
-  const int64_t N = R * B, P = xs.numel();
+  const int64_t bins = predicted.size(2), N = R * B, P = xs.numel();
   const float* sc = scores.data_ptr<float>();
   const int64_t* dp = depths.data_ptr<int64_t>();
   const double* pr = predicted.data_ptr<double>();
@@ -631,8 +642,9 @@ Tensor auto_budgets(const Tensor& scores, const Tensor& depths, const Tensor& pr
       const int64_t d = dp[r * B + i];
       double g = 0.0;
       if (d > 0) {
-        const int64_t level = std::min<int64_t>(d, L) - 1;
-        const double c = (ob[kind * L + level] + prior) / (pr[kind * L + level] + prior);
+        const int64_t cell = ((kind * L + std::min<int64_t>(d, L) - 1) * bins +
+                              score_bin(sc[r * B + i], bins));
+        const double c = (ob[cell] + prior) / (pr[cell] + prior);
         g = c * std::exp(static_cast<double>(sc[r * B + i]));
       }
       if (cpl != nullptr && !cpl[r]) g = 0.0;  // no drafter context: no nodes
@@ -700,44 +712,49 @@ Tensor auto_budgets(const Tensor& scores, const Tensor& depths, const Tensor& pr
   return budgets;
 }
 
-// Calibration.observe for one verify step, in place: predicted/observed [2, L] float64 decay,
-// then add each counted request's path mass per depth and whether it accepted that deep.
+// Calibration.observe for one verify step, in place: predicted/observed [2, L, bins] float64
+// decay, then each counted request's real nodes add exp(score) to the predicted sum of their
+// (depth, score bin) cell and its accepted nodes (accepted_nodes [R, L'], -1 padded) one to
+// the observed sum.
 void calibration_observe_(Tensor predicted, Tensor observed, const Tensor& scores,
-                          const Tensor& depths, const Tensor& num_accepted,
+                          const Tensor& depths, const Tensor& accepted_nodes,
                           const Tensor& counted, const Tensor& sampled, double decay) {
   for (const Tensor* t : std::initializer_list<const Tensor*>{
-           &predicted, &observed, &scores, &depths, &num_accepted, &counted, &sampled}) {
+           &predicted, &observed, &scores, &depths, &accepted_nodes, &counted, &sampled}) {
     check_cpu(*t, "calibration input");
   }
   TORCH_CHECK(predicted.scalar_type() == at::kDouble && observed.scalar_type() == at::kDouble &&
+                  predicted.dim() == 3 && observed.sizes() == predicted.sizes() &&
                   scores.scalar_type() == at::kFloat && depths.scalar_type() == at::kLong &&
-                  num_accepted.scalar_type() == at::kLong &&
+                  accepted_nodes.scalar_type() == at::kLong && accepted_nodes.dim() == 2 &&
+                  accepted_nodes.size(0) == scores.size(0) &&
                   counted.scalar_type() == at::kBool && sampled.scalar_type() == at::kBool,
-              "calibration_observe_: unexpected dtypes");
+              "calibration_observe_: unexpected dtypes or shapes");
   const int64_t R = scores.size(0), B = scores.size(1), L = predicted.size(1);
+  const int64_t bins = predicted.size(2), A = accepted_nodes.size(1);
   double* pr = predicted.data_ptr<double>();
   double* ob = observed.data_ptr<double>();
-  for (int64_t i = 0; i < 2 * L; ++i) {
+  for (int64_t i = 0; i < 2 * L * bins; ++i) {
     pr[i] *= decay;
     ob[i] *= decay;
   }
   const float* sc = scores.data_ptr<float>();
   const int64_t* dp = depths.data_ptr<int64_t>();
-  const int64_t* na = num_accepted.data_ptr<int64_t>();
+  const int64_t* an = accepted_nodes.data_ptr<int64_t>();
   const bool* cn = counted.data_ptr<bool>();
   const bool* smp = sampled.data_ptr<bool>();
-  std::vector<double> mass(L + 1);
+  const auto cell = [&](int64_t r, int64_t i) {
+    const int64_t d = std::min<int64_t>(dp[r * B + i], L);
+    return ((smp[r] ? 1 : 0) * L + d - 1) * bins + score_bin(sc[r * B + i], bins);
+  };
   for (int64_t r = 0; r < R; ++r) {
-    std::fill(mass.begin(), mass.end(), 0.0);
+    if (!cn[r]) continue;
     for (int64_t i = 0; i < B; ++i) {
-      const int64_t d = std::min<int64_t>(std::max<int64_t>(dp[r * B + i], 0), L);
-      if (dp[r * B + i] > 0) mass[d] += std::exp(static_cast<double>(sc[r * B + i]));
+      if (dp[r * B + i] > 0) pr[cell(r, i)] += std::exp(static_cast<double>(sc[r * B + i]));
     }
-    const double weight = cn[r] ? 1.0 : 0.0;
-    const int64_t kind = smp[r] ? 1 : 0;
-    for (int64_t d = 1; d <= L; ++d) {
-      pr[kind * L + d - 1] += mass[d] * weight;
-      ob[kind * L + d - 1] += (na[r] >= d ? 1.0 : 0.0) * weight;
+    for (int64_t j = 0; j < A; ++j) {
+      const int64_t i = an[r * A + j];
+      if (0 <= i && i < B && dp[r * B + i] > 0) ob[cell(r, i)] += 1.0;
     }
   }
 }
@@ -1461,7 +1478,7 @@ TORCH_LIBRARY(ddtree, m) {
         "float prior, Tensor sampled, Tensor complete, Tensor xs, Tensor ys, float draft_time, "
         "float on_overhead, float plain_time, Tensor node_cost, Tensor limit) -> Tensor");
   m.def("calibration_observe_(Tensor(a!) predicted, Tensor(b!) observed, Tensor scores, "
-        "Tensor depths, Tensor num_accepted, Tensor counted, Tensor sampled, float decay) -> ()");
+        "Tensor depths, Tensor accepted_nodes, Tensor counted, Tensor sampled, float decay) -> ()");
   m.def("copy_slots_(Tensor(a!)[] flats, Tensor offsets, int slot_stride, Tensor slot_mapping, "
         "Tensor src_rows, Tensor dst_rows) -> ()");
   m.def("context_complete(Tensor valid, Tensor block_table, int[] num_computed, "

@@ -710,7 +710,7 @@ def _wrap_sample(original):
         if state.budgets.calibration is not None:  # auto: the step's outcome calibrates it
             sampling = sampling_batch(self.input_batch.sampling_metadata)
             sampled = None if sampling is None else ~sampling.is_greedy
-            state.budgets.observe_verify(state.verify.tree, state.verdict.num_accepted,
+            state.budgets.observe_verify(state.verify.tree, state.verdict.accepted_nodes,
                                          state.verify.matched, sampled)
         if self.ddtree_compactor is not None:
             self.ddtree_compactor.compact(src_rows, dst_rows, state.verify.num_tokens,

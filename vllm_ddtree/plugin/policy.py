@@ -368,14 +368,15 @@ class BudgetController:
 
     # --- verification and step timing ------------------------------------------------------
 
-    def observe_verify(self, tree, num_accepted: torch.Tensor, matched: torch.Tensor,
+    def observe_verify(self, tree, accepted_nodes: torch.Tensor, matched: torch.Tensor,
                        sampled: torch.Tensor | None) -> None:
-        """Fold a verify step's outcome into the calibration (auto; device ops only)."""
+        """Fold a verify step's outcome (the walk's accepted nodes) into the calibration (auto;
+        device ops only)."""
         if self.calibration is None:
             return
         if sampled is None:
             sampled = torch.zeros_like(matched)
-        self.calibration.observe(tree.scores, tree.depths, num_accepted, matched, sampled)
+        self.calibration.observe(tree.scores, tree.depths, accepted_nodes, matched, sampled)
 
     def tokens_emitted(self, num_tokens: int) -> None:
         """The tokens the step in flight emitted, all requests together (from vLLM's host
@@ -423,7 +424,7 @@ class BudgetController:
     # --- observability ----------------------------------------------------------------------
 
     def summary(self, stats: PolicyStats | None = None) -> dict:
-        """Mean nodes per request per step, how often the drafter ran, calibration, scales."""
+        """Mean nodes per request per step, how often the drafter ran, calibration, overheads."""
         stats = stats or self._merged()
         out = {
             "policy": self.name,
@@ -435,8 +436,10 @@ class BudgetController:
         }
         if self.calibration is not None:
             factors = self.calibration.factors()  # a sync: only for logs and benchmarks
-            out["calibration_greedy"] = [round(float(c), 3) for c in factors[0]]
-            out["calibration_sampled"] = [round(float(c), 3) for c in factors[1]]
+            # [depth][score bin] (budget.score_bins: bin b holds paths of probability
+            # e^-(b+1) to e^-b, the last bin everything below)
+            out["calibration_greedy"] = [[round(float(c), 2) for c in row] for row in factors[0]]
+            out["calibration_sampled"] = [[round(float(c), 2) for c in row] for row in factors[1]]
             out["on_overhead_ms"] = round(self.on_overhead * 1e3, 3)
             out["off_overhead_ms"] = round(self.off_overhead * 1e3, 3)
             out["measured_tokens_per_s"] = {
@@ -461,7 +464,7 @@ class BudgetController:
         s = self.summary(self.stats)
         extra = ""
         if self.calibration is not None:
-            extra = (f", calibration per depth {s['calibration_greedy']} (greedy) "
+            extra = (f", calibration per depth and score bin {s['calibration_greedy']} (greedy) "
                      f"{s['calibration_sampled']} (sampled), step overhead beyond the model "
                      f"{s['on_overhead_ms']} ms drafting, {s['off_overhead_ms']} ms not, "
                      f"measured tokens/s {s['measured_tokens_per_s']}")
