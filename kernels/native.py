@@ -46,9 +46,16 @@ def _load():
             logger.info("ddtree: loading the fused CPU kernels (the first build takes ~40 s)")
             # -fopenmp: ATen's parallel_for is an OpenMP pragma compiled into the op (without
             # it the op ran on one thread); no -lgomp: the calls bind to the OpenMP runtime
-            # torch itself loads, so the process keeps one thread pool
-            load(name="vllm_ddtree_cpu", sources=[SOURCE], extra_cflags=["-O3", "-fopenmp"],
-                 is_python_module=False, verbose=False)
+            # torch itself loads, so the process keeps one thread pool. A compiler without
+            # OpenMP (Apple's clang) builds them single-threaded rather than not at all.
+            try:
+                load(name="vllm_ddtree_cpu", sources=[SOURCE], extra_cflags=["-O3", "-fopenmp"],
+                     is_python_module=False, verbose=False)
+            except Exception as exc:
+                logger.warning("ddtree: building the fused CPU kernels with OpenMP failed (%s); "
+                               "building them without (each op on one thread)", exc)
+                load(name="vllm_ddtree_cpu", sources=[SOURCE], extra_cflags=["-O3"],
+                     is_python_module=False, verbose=False)
             _state["ops"] = torch.ops.ddtree
         except Exception as exc:  # no compiler, no headers: the torch path serves
             _state["error"] = exc

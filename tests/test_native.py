@@ -89,6 +89,33 @@ def test_cpu_ops_only_for_the_cpu_and_only_when_enabled(native, monkeypatch):
     assert cpu_ops("cpu") is torch.ops.ddtree
 
 
+def test_a_compiler_without_openmp_still_builds_the_kernels(monkeypatch):
+    """The first build asks for -fopenmp; where the compiler refuses it, the kernels are built
+    without (single-threaded), not dropped; where both builds fail, the torch path serves."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    from vllm_ddtree.kernels import native
+
+    calls = []
+
+    def load(**kwargs):
+        calls.append(kwargs["extra_cflags"])
+        if "-fopenmp" in kwargs["extra_cflags"]:
+            raise RuntimeError("clang: error: unsupported option '-fopenmp'")
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(native, "_state", {})
+    assert native._load() is torch.ops.ddtree
+    assert calls == [["-O3", "-fopenmp"], ["-O3"]]
+
+    def no_compiler(**kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(native, "_state", {})
+    assert native._load() is None and "no C++ compiler" in str(native._state["error"])
+
+
 # -------------------------------------------------------------------------------- build_tree
 
 
