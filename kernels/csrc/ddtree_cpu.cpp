@@ -764,6 +764,24 @@ inline float to_float(T x) {
   return static_cast<float>(x);
 }
 
+// Per request r of a tree-attention batch (mask [n, b, s]): one past the last position any of
+// its b rows sees, at least `at_least`: the positions its K/V gather needs.
+std::vector<int64_t> seen_positions(const bool* mask, int64_t n, int64_t b, int64_t s,
+                                    int64_t at_least) {
+  std::vector<int64_t> used(n, at_least);
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t i = 0; i < b; ++i) {
+      for (int64_t pos = s - 1; pos >= used[r]; --pos) {
+        if (mask[(r * b + i) * s + pos]) {
+          used[r] = pos + 1;
+          break;
+        }
+      }
+    }
+  }
+  return used;
+}
+
 // The tree rows' attention (each request's root and node rows) with ATen's kernels, for CPUs
 // without AVX2 (tree_attention_avx2 serves the others), batched over (request, KV head): K and
 // V of the positions any row of the request sees are gathered in float32 from the paged cache
@@ -781,17 +799,7 @@ void tree_attention_impl(Tensor& output, const Tensor& query, const Tensor& flat
   const int64_t group = H / Hkv, Q = b * group;
   if (n == 0 || b == 0) return;
   const bool* ma = mask.data_ptr<bool>();
-  std::vector<int64_t> used(n, 0);  // positions any row of request r sees
-  for (int64_t r = 0; r < n; ++r) {
-    for (int64_t i = 0; i < b; ++i) {
-      for (int64_t pos = s - 1; pos >= used[r]; --pos) {
-        if (ma[(r * b + i) * s + pos]) {
-          used[r] = pos + 1;
-          break;
-        }
-      }
-    }
-  }
+  const std::vector<int64_t> used = seen_positions(ma, n, b, s, 0);
   const int64_t U = std::max<int64_t>(1, *std::max_element(used.begin(), used.end()));
   const auto f32 = query.options().dtype(at::kFloat);
   Tensor keys = at::empty({n * Hkv, U, D}, f32), values = at::empty({n * Hkv, U, D}, f32);
@@ -1173,17 +1181,7 @@ void tree_attention_avx2(Tensor& output, const Tensor& query, const Tensor& flat
   a.slots = slots.data_ptr<int64_t>(), a.mask = mask.data_ptr<bool>();
   a.scale = scale, a.bf16_probs = bf16_probs;
   if (a.n == 0 || a.b == 0) return;
-  std::vector<int64_t> used(a.n, 1);  // positions any row of request r sees (at least one)
-  for (int64_t r = 0; r < a.n; ++r) {
-    for (int64_t i = 0; i < a.b; ++i) {
-      for (int64_t pos = a.s - 1; pos >= used[r]; --pos) {
-        if (a.mask[(r * a.b + i) * a.s + pos]) {
-          used[r] = pos + 1;
-          break;
-        }
-      }
-    }
-  }
+  const std::vector<int64_t> used = seen_positions(a.mask, a.n, a.b, a.s, 1);
   a.used = used.data();
   const T* q = query.data_ptr<T>();
   const T* cache = flat.data_ptr<T>();
