@@ -10,9 +10,10 @@ of ``budget_policy.py``), and records every verified tree that was the drafter's
 real node's depth, its path log-probability s (under ``softmax(logits / t)``, the law the tree
 is built from) and whether the walk accepted it. Prints and writes, per depth and per score bin
 (``budget.score_bins``: unit-wide bins of s, the last one everything below -5), the ratio of
-accepted nodes to their predicted acceptances (the sum of exp(s)) and the number of nodes, and
-per depth the ratio over all bins (what a per-depth calibration sees). A ratio above 1: the
-drafter accepts more often than it says. Cells of fewer than 20 nodes are left out.
+accepted nodes to their predicted acceptances (the sum of exp(s)), summed by auto's own
+``Calibration`` without decay or prior, and the number of nodes, and per depth the ratio over
+all bins (what a per-depth calibration sees). A ratio above 1: the drafter accepts more often
+than it says. Cells of fewer than 20 nodes are left out.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def main() -> None:
     from vllm import SamplingParams
     from vllm_utils import close, make_llm
 
-    from vllm_ddtree.budget import SCORE_BINS, score_bins
+    from vllm_ddtree.budget import SCORE_BINS, Calibration, score_bins
     from vllm_ddtree.plugin.state import TreeState
 
     records = []
@@ -73,45 +74,43 @@ def main() -> None:
         llm.generate([prompt], params, use_tqdm=False)
     close(llm)
 
-    scores, depths, accepted = [], [], []
+    # auto's own accounting (decay 1, no prior: plain sums per cell), greedy row, plus the
+    # number of nodes per cell
+    depth = budget_policy.drafter_depth(args.drafter)
+    calibration = Calibration(depth, torch.device("cpu"), decay=1.0, prior=0.0)
+    nodes = torch.zeros(depth * SCORE_BINS, dtype=torch.int64)
     for tree_scores, tree_depths, accepted_nodes, matched in records:
-        for r in range(tree_scores.shape[0]):
-            if not matched[r]:
-                continue
-            real = tree_depths[r] > 0
-            taken = torch.zeros_like(real)
-            taken[accepted_nodes[r][accepted_nodes[r] >= 0]] = True
-            scores.append(tree_scores[r][real])
-            depths.append(tree_depths[r][real])
-            accepted.append(taken[real])
-    scores, depths = torch.cat(scores).double(), torch.cat(depths)
-    accepted = torch.cat(accepted).double()
-    bins = score_bins(scores)
+        calibration.observe(tree_scores, tree_depths, accepted_nodes, matched,
+                            torch.zeros_like(matched))
+        real = matched[:, None] & (tree_depths > 0)
+        nodes += torch.bincount((tree_depths[real] - 1) * SCORE_BINS
+                                + score_bins(tree_scores[real]), minlength=nodes.numel())
+    nodes = nodes.view(depth, SCORE_BINS)
+    predicted, observed = calibration.predicted[0], calibration.observed[0]
     rows = []
     header = "depth  all     " + "  ".join(f"bin {b} [{-b - 1},{-b})" if b < SCORE_BINS - 1
                                            else f"bin {b} (< {-b})" for b in range(SCORE_BINS))
-    print(f"{len(scores)} nodes, B = {args.budget}, t = {args.tree_temperature}")
+    print(f"{int(nodes.sum())} nodes, B = {args.budget}, t = {args.tree_temperature}")
     print(header)
-    for d in range(1, int(depths.max()) + 1):
-        at = depths == d
+    for d in range(depth):
+        if not nodes[d].sum():
+            continue
         cells = []
         for b in range(SCORE_BINS):
-            cell = at & (bins == b)
-            n = int(cell.sum())
-            ratio = float(accepted[cell].sum() / scores[cell].exp().sum()) if n >= MIN_NODES \
-                else None
+            n = int(nodes[d, b])
+            ratio = float(observed[d, b] / predicted[d, b]) if n >= MIN_NODES else None
             cells.append({"bin": b, "nodes": n, "ratio": None if ratio is None
                           else round(ratio, 3)})
-        overall = float(accepted[at].sum() / scores[at].exp().sum())
-        rows.append({"depth": d, "nodes": int(at.sum()), "ratio": round(overall, 3),
+        overall = float(observed[d].sum() / predicted[d].sum())
+        rows.append({"depth": d + 1, "nodes": int(nodes[d].sum()), "ratio": round(overall, 3),
                      "bins": cells})
-        print(f"{d:5d}  {overall:5.2f}  " + "  ".join(
+        print(f"{d + 1:5d}  {overall:5.2f}  " + "  ".join(
             "      -       " if c["ratio"] is None else f"{c['ratio']:5.2f} ({c['nodes']:5d})"
             for c in cells))
     with open(args.out, "w") as f:
         json.dump({"device": "cpu", "command": "python benchmarks/calibration.py "
                    + " ".join(sys.argv[1:]), "budget": args.budget,
-                   "tree_temperature": args.tree_temperature, "nodes": len(scores),
+                   "tree_temperature": args.tree_temperature, "nodes": int(nodes.sum()),
                    "depths": rows}, f, indent=1)
     print(f"wrote {args.out}")
 
