@@ -5,7 +5,7 @@ has score ``s_i = log q(path to i)`` under the drafter's factorised surrogate, a
 Prop. 1 the expected accepted length of a tree is the sum over its nodes of the probability of
 each node's path. The drafter is over- or under-confident, differently at each depth and each
 level of probability (the tiny pair's drafter: its likeliest paths about right, the paths of
-probability e^-3 to e^-5 accepted 2-5x more often than it says), so the **gain** of a node at
+probability e^-5 to e^-3 accepted 1.6-6.7x more often than it says), so the **gain** of a node at
 depth d with score s is ``g = c_{d,b} * exp(s)``, ``b = bin(s)`` (:func:`score_bins`), where
 the calibration ``c_{d,b}`` is the ratio of the acceptances actually observed for such nodes to
 the drafter's predictions for them (:class:`Calibration`, running on the device).
@@ -13,7 +13,8 @@ the drafter's predictions for them (:class:`Calibration`, running on the device)
 "auto" (:func:`auto_budgets`) maximises the expected emitted tokens per second of a step: with
 R requests and k verified nodes in all, a step emits ``R + S_k`` tokens (``S_k``: the gains of
 the k nodes) and costs ``T_verify(R + k) + T_draft(R)`` (:class:`CostModel`, measured by the
-engine) plus the step's overhead beyond the forwards (learned online by the engine). The k nodes of largest gain over ALL requests of the batch are taken, k chosen by an
+engine) plus the step's overhead beyond the forwards (learned online by the engine). The k
+nodes of largest gain over ALL requests of the batch are taken, k chosen by an
 exhaustive argmax over ``0 .. R * B`` (gains are sorted, so this is the best set of every size);
 each request's budget is its number of nodes among them. Whether to draft at all is a second
 question: until the engine has measured both kinds of step in this regime, the model answers it
@@ -144,9 +145,10 @@ class Calibration:
     says otherwise. Greedy and sampled requests are calibrated separately (row 0: greedy, row
     1: sampled; the walk at T > 0 accepts less than at T = 0). A per-depth ratio alone weighed
     each node by its probability, so the likeliest paths set every node's factor; the tiny
-    pair's drafter is about right on its likeliest paths and 2-5x too pessimistic on its paths
-    of probability e^-5 to e^-3 (docs/measurements.md, "auto's calibration per score bin"),
-    which auto then did not draft.
+    pair's drafter is about right on its likeliest paths and 1.6-6.7x too pessimistic on its
+    paths of probability e^-5 to e^-3 (``benchmarks/calibration.py``; docs/measurements.md,
+    "The tree rows' attention in AVX2, fused top-k and argmax, auto re-priced"), which auto
+    then did not draft.
     Example: depth-1 nodes of probability .6 (bin 0) and .3 (bin 1) in two trees, the .6 one
     accepted once: with no prior, c_{1,0} = 1 / 1.2 = 0.83 and c_{1,1} = 0 / 0.6 = 0.
     """
@@ -238,8 +240,8 @@ def auto_budgets(gains: torch.Tensor, cost: CostModel, on_overhead: float = 0.0,
     first k costs ``T_verify(R + k) + T_draft(R) + on_overhead`` and emits ``R + S_k`` tokens in
     expectation. The best k wins (with ``versus_plain``, the best k >= 1: a step without nodes
     is plain decoding's), unless ``versus_plain`` and ``R / (T_verify(R) + off_overhead)`` (no
-    drafter at all) is at least as good: then every budget is 0. A request's budget is its number of nodes among the
-    first k, a prefix of its best-first list, hence a subtree.
+    drafter at all) is at least as good: then every budget is 0. A request's budget is its
+    number of nodes among the first k, a prefix of its best-first list, hence a subtree.
 
     Example: two requests with gains [[.9, .5], [.6, .1]], T_verify(n) = n ms, T_draft = 1 ms:
     k = 0..4 give (2 + [0, .9, 1.5, 2.0, 2.1]) / ([2, 3, 4, 5, 6] + 1) tokens per ms =
