@@ -2,10 +2,12 @@
 """Where a verify step's time goes: wall time per stage, in place, for ddtree and vLLM's dflash.
 
     .venv/bin/python benchmarks/stage_times.py [--target T --drafter D] [--budgets 16]
-        [--requests 1] [--max-tokens 64] [--rounds 2] [--out PATH]
+        [--auto 24] [--tree-temperature 1.0] [--requests 1] [--max-tokens 64] [--rounds 2]
+        [--out PATH]
 
 Every engine runs in one process, side by side: dflash (L drafts) and ddtree (static budget)
-at each of ``--budgets`` (add L to compare a tree as wide as the chain's rows), greedy, on the
+at each of ``--budgets`` (add L to compare a tree as wide as the chain's rows) and with the auto
+policy at each of ``--auto``, greedy, on the
 held-out prompts of ``budget_policy.py``. After a warm-up, each prompt wave (``--requests``
 prompts at once) runs on every engine in turn, the order reversed every round, so a drift of
 the machine's speed hits every engine alike (engines run one after the other in separate
@@ -177,6 +179,10 @@ def main() -> None:
     parser.add_argument("--drafter", default=os.path.join(PAIR, "drafter"))
     parser.add_argument("--budgets", type=int, nargs="+", default=[16],
                         help="ddtree's static budgets B (dflash drafts L)")
+    parser.add_argument("--auto", type=int, nargs="*", default=[],
+                        help="ddtree engines with ddtree_budget_policy auto, at these B")
+    parser.add_argument("--tree-temperature", type=float, default=1.0,
+                        help="ddtree_tree_temperature of every ddtree engine")
     parser.add_argument("--requests", type=int, default=1, help="prompts per wave")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -187,10 +193,11 @@ def main() -> None:
     depth = drafter_depth(args.drafter)
     configs = [("dflash", "dflash", {"method": "dflash", "model": args.drafter,
                                      "num_speculative_tokens": depth})]
-    configs += [(f"ddtree_B{b}", "ddtree", {"method": "ddtree", "model": args.drafter,
-                                            "num_speculative_tokens": b,
-                                            "ddtree_budget_policy": "static"})
-                for b in args.budgets]
+    configs += [(f"ddtree_{'auto' if auto else 'B'}{b}", f"ddtree{' auto' if auto else ''}",
+                 {"method": "ddtree", "model": args.drafter, "num_speculative_tokens": b,
+                  "ddtree_budget_policy": "auto" if auto else "static",
+                  "ddtree_tree_temperature": args.tree_temperature})
+                for auto, budgets in ((False, args.budgets), (True, args.auto)) for b in budgets]
     results = run(configs, args.target, args.requests, args.max_tokens, args.rounds,
                   args.num_prompts)
     base = results[0]

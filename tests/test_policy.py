@@ -5,6 +5,8 @@ drafting / plain rates.
 Oracles: the documented pause schedule step by step, and the ratios computed by hand.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -236,16 +238,38 @@ def paused_runs(ran: list[bool]) -> list[tuple[int, int]]:
 
 
 def test_a_drafter_faster_than_plain_decoding_keeps_drafting():
-    """Drafting steps: 10 ms for 3 tokens (3.3 ms a token), plain: 5 ms a token. The drafter
-    runs every step but for the exploration pause and, every REMEASURE_AFTER steps, a pause
-    of the same length that measures plain decoding again."""
+    """Drafting steps: 10 ms for 3 tokens, plain: 5 ms a token (200 tokens/s). The drafter
+    runs every step but for the exploration pause and, at intervals, a pause of the same
+    length that measures plain decoding again. Drafting's measured average is 10.1 ms (the
+    verify step before the exploration pause counts with the model's 1 ms drafter time, at
+    weight MEASURED_EMA): 297.0 tokens/s. A re-measurement loses FIRST_PAUSE plain steps x
+    5 ms x drafting's gain (1 - 200/297.0 = 0.327), which is REMEASURE_LOSS of the time over
+    8 x 5/10.1 x 0.327 / 0.0025 = 517.6 drafting steps: one every 518 (not REMEASURE_AFTER's
+    256), counted from the first drafting step after a pause (which drafts without verifying)."""
+    assert policy.REMEASURE_LOSS == 0.0025 and policy.MEASURED_EMA == 0.1
+    seconds = 0.010 + policy.MEASURED_EMA * 0.001
+    gain = 1 - 200 / (3 / seconds)
+    interval = math.ceil(FIRST_PAUSE * 0.005 / seconds * gain / policy.REMEASURE_LOSS)
+    assert interval == 518 and REMEASURE_AFTER < interval < policy.MAX_REMEASURE
     engine = Engine()
-    ran = [engine.step(0.010, 3, 0.005) for _ in range(700)]
+    ran = [engine.step(0.010, 3, 0.005) for _ in range(1200)]
     first = EXPLORE_AFTER + 2
-    period = 1 + FIRST_PAUSE + REMEASURE_AFTER
+    period = FIRST_PAUSE + 1 + interval
     assert paused_runs(ran) == [(first + k * period, FIRST_PAUSE) for k in range(3)]
     measured = engine.ctl.summary()["measured_tokens_per_s"]
-    assert measured["1-1 requests, drafting"] > measured["1-1 requests, plain"]
+    assert measured["1-1 requests, drafting"] == pytest.approx(300, rel=1e-6)  # 10 ms again
+    assert measured["1-1 requests, plain"] == pytest.approx(200, rel=1e-6)
+
+
+def test_a_drafter_that_barely_pays_re_measures_plain_decoding_every_remeasure_after_steps():
+    """Drafting 10 ms for 2.1 tokens (~208 tokens/s) against plain's 200: a re-measurement
+    loses little (8 x 5/10.1 x 0.038 / 0.0025 = 61 steps < REMEASURE_AFTER), so the floor
+    holds: one every REMEASURE_AFTER steps."""
+    engine = Engine()
+    ran = [engine.step(0.010, 2.1, 0.005) for _ in range(700)]
+    first = EXPLORE_AFTER + 2
+    period = FIRST_PAUSE + 1 + REMEASURE_AFTER
+    assert paused_runs(ran) == [(first + k * period, FIRST_PAUSE) for k in range(3)]
 
 
 def test_a_plain_rate_measured_in_a_slow_spell_does_not_keep_the_drafter_on():
@@ -256,12 +280,16 @@ def test_a_plain_rate_measured_in_a_slow_spell_does_not_keep_the_drafter_on():
     engine = Engine()
     slow = [engine.step(0.010, 3, 0.020) for _ in range(100)]
     assert paused_runs(slow) == [(EXPLORE_AFTER + 2, FIRST_PAUSE)]
-    fast = [engine.step(0.010, 3, 0.002) for _ in range(REMEASURE_AFTER + 200)]
-    assert sum(fast[:REMEASURE_AFTER - 100]) == REMEASURE_AFTER - 100  # the stale rate holds
-    # re-measured: drafting loses 40 %; after its first probe the drafter pauses for the
-    # longest pause (still in it at the end)
+    # the stale plain rate (50 tokens/s against drafting's 300) holds until the longest
+    # interval, MAX_REMEASURE steps (8 x 20/10 x 0.83 / 0.0025 = 5333 by the formula)
+    fast = [engine.step(0.010, 3, 0.002) for _ in range(policy.MAX_REMEASURE + 500)]
+    assert sum(fast[:policy.MAX_REMEASURE - 100]) == policy.MAX_REMEASURE - 100
+    # re-measured (a pause of FIRST_PAUSE): drafting loses 40 %, so it pauses (FIRST_PAUSE)
+    # after four measured steps; after its first probe the drafter pauses for the longest
+    # pause
     runs = alternating_runs(fast)
-    assert runs[-2] == (True, policy.PROBE_STEPS) and not runs[-1][0] and runs[-1][1] > 200
+    assert [length for _, length in runs[1:6]] == [
+        FIRST_PAUSE, MIN_MEASURED, FIRST_PAUSE, policy.PROBE_STEPS, MAX_PAUSE], runs
     measured = engine.ctl.summary()["measured_tokens_per_s"]
     assert measured["1-1 requests, plain"] == pytest.approx(1 / 0.002, rel=0.01)
 
@@ -305,10 +333,10 @@ def test_a_drafter_that_becomes_faster_than_plain_decoding_drafts_again():
     slow = [engine.step(0.016, 2.5, 0.005) for _ in range(600)]
     value, into = alternating_runs(slow)[-1]  # some steps into a pause of MAX_PAUSE
     assert not value and alternating_runs(slow)[-3] == (False, MAX_PAUSE)
-    fast = [engine.step(0.008, 3, 0.005) for _ in range(1000)]
+    fast = [engine.step(0.008, 3, 0.005) for _ in range(2200)]
     runs = paused_runs(fast)
     # the pause in progress ends, the probe answers "draft"; from then on only the periodic
-    # plain re-measurements pause it
+    # plain re-measurements pause it (every ~940 steps: 8 x 5/8 x (1 - 200/375) / 0.0025)
     assert runs[0] == (0, MAX_PAUSE - into), runs
     assert len(runs) >= 3 and all(length == FIRST_PAUSE for _, length in runs[1:]), runs
 

@@ -10,7 +10,7 @@ in ``patches.py``; it takes a few seconds and fits whatever device runs it:
   What that dummy forward is: vLLM spreads the n tokens over min(n, max_num_seqs) requests and
   builds no attention metadata (except for full CUDA graphs), so its attention layers return
   at once: the curve holds the GEMMs and the per-request work, not attention (not the tree
-  rows' attention either); the online scales of ``policy.py`` absorb that multiplicatively.
+  rows' attention either); the online overheads of ``policy.py`` absorb that (added seconds).
 - **draft**: the drafter for R requests, at R = 1, 2, 4, ... up to ``max_num_seqs``: its dummy
   pass over R * (L + 1) query tokens (with the context K/V write), the lm_head over the R * L
   drafted positions, and the tree build with auto's budget function.
