@@ -70,8 +70,8 @@ A bucket that has drafted ``EXPLORE_AFTER`` measured steps with no plain ones pa
 decoding the same way every ``REMEASURE_AFTER`` steps, or less often where that would cost
 more than ``REMEASURE_LOSS`` of the time (``_remeasure_interval``), starting its plain average
 afresh: a plain rate measured while the machine was slow (another tenant's burst) must not keep
-a drafter on that no longer pays. Steps that draft without verifying (the first of a probe) and steps with
-a prefill are not counted.
+a drafter on that no longer pays. Steps that draft without verifying (the first of a probe) and
+steps with a prefill are not counted.
 """
 
 from __future__ import annotations
