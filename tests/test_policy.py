@@ -284,12 +284,14 @@ def test_a_plain_rate_measured_in_a_slow_spell_does_not_keep_the_drafter_on():
     # interval, MAX_REMEASURE steps (8 x 20/10 x 0.83 / 0.0025 = 5333 by the formula)
     fast = [engine.step(0.010, 3, 0.002) for _ in range(policy.MAX_REMEASURE + 500)]
     assert sum(fast[:policy.MAX_REMEASURE - 100]) == policy.MAX_REMEASURE - 100
-    # re-measured (a pause of FIRST_PAUSE): drafting loses 40 %, so it pauses (FIRST_PAUSE)
-    # after four measured steps; after its first probe the drafter pauses for the longest
-    # pause
+    # re-measured (a pause of FIRST_PAUSE): drafting loses 40 %, so each drafting step
+    # answers "no" and the running rate of "draft" answers falls from ~1 to .8, .64, .51,
+    # .41: the fourth pauses it (FIRST_PAUSE); after its first probe the drafter pauses for
+    # the longest pause
+    assert policy.ANSWER_EMA == 0.2
     runs = alternating_runs(fast)
     assert [length for _, length in runs[1:6]] == [
-        FIRST_PAUSE, MIN_MEASURED, FIRST_PAUSE, policy.PROBE_STEPS, MAX_PAUSE], runs
+        FIRST_PAUSE, 4, FIRST_PAUSE, policy.PROBE_STEPS, MAX_PAUSE], runs
     measured = engine.ctl.summary()["measured_tokens_per_s"]
     assert measured["1-1 requests, plain"] == pytest.approx(1 / 0.002, rel=0.01)
 
