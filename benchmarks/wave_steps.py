@@ -71,23 +71,22 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                       "wave_steps_cpu.json"))
     args = parser.parse_args()
+    suffix = "" if args.tree_temperature == 1.0 else f"_t{args.tree_temperature:g}"
     policy_args = budget_policy.parse_args(
-        ["--concurrency", *map(str, args.concurrency), "--max-tokens", str(args.max_tokens)])
-    drafter = policy_args.drafter
-    specs = {"plain": None}
-    specs.update({f"ddtree_B{b}": {"method": "ddtree", "model": drafter,
-                                   "num_speculative_tokens": b, "ddtree_budget_policy": "static",
-                                   "ddtree_tree_temperature": args.tree_temperature}
-                  for b in args.budgets})
-    llms = {name: budget_policy.start_engine(policy_args, spec, len(specs))
-            for name, spec in specs.items()}
+        ["--concurrency", *map(str, args.concurrency), "--max-tokens", str(args.max_tokens),
+         "--budgets", *map(str, args.budgets), "--tree-temperatures", str(args.tree_temperature),
+         "--only", "plain", *(f"ddtree_B{b}{suffix}" for b in args.budgets)])
+    configs = budget_policy.configurations(policy_args, budget_policy.drafter_depth(
+        policy_args.drafter))
+    llms = {name: budget_policy.start_engine(policy_args, spec, len(configs))
+            for name, spec in configs}
     prompts = budget_policy.prompts_for(policy_args, args.num_prompts)
     results = []
     for c in args.concurrency:
         for name, llm in llms.items():
             counts = count_steps(llm, prompts, c, args.max_tokens)
             results.append({"name": name, "concurrency": c, **counts})
-            print(f"c={c:3d} {name:12s} {counts['decode_steps']:4d} decode steps, "
+            print(f"c={c:3d} {name:17s} {counts['decode_steps']:4d} decode steps, "
                   f"{counts['steps_below_concurrency']:4d} with fewer than {c} requests, "
                   f"{100 * counts['unused_batch_share']:.0f} % of the batch unused: "
                   f"{counts['steps_by_batch_size']}", flush=True)
