@@ -9,16 +9,26 @@ drafter never drafts), the floor of any budget policy inside vLLM's speculative 
 steps carry the speculative bookkeeping and the drafter's context pass, which plain decoding
 does not.
 
-Workload: at concurrency c, the ``--num-prompts`` held-out prompts run in waves of c requests
-(one ``generate`` call each, all submitted at once, ``--max-tokens`` output tokens each with
-``ignore_eos``), so every concurrency does the same work over the same prompts; tokens/s = all
-output tokens / wall time.
+Workload (``--workload``), at concurrency c, over the ``--num-prompts`` held-out prompts
+(``--max-tokens`` output tokens each with ``ignore_eos``), so every concurrency does the same
+work over the same prompts:
+
+- ``waves`` (the default): waves of c requests, one ``generate`` call each, all submitted at
+  once; tokens/s = all output tokens / wall time. Plain decoding finishes a wave's requests in
+  the same step; drafting finishes them at different steps, so each wave's last steps run with
+  fewer requests (``wave_steps.py`` counts them).
+- ``steady``: c requests in flight at all times, as a server with a queue keeps them: a request
+  that finishes is replaced by the next in the same step (``LLMEngine.add_request`` /
+  ``step``, outputs streamed as deltas). tokens/s = the output tokens emitted from the start
+  until the last request is admitted / that time: the steady state, without the final drain
+  (a cell runs at least 2c requests, so the window holds at least half of them).
 
 Side by side: every configuration's engine is started first and they stay up together; then
 one warm-up round and ``--repeats`` timed rounds. A round runs every concurrency's waves one at a
 time, each wave on every configuration in turn (the order rotated from wave to wave), and a
 configuration's time at c is the sum of its waves' times: a drift of the machine's speed
-(another tenant of a shared box) then hits every configuration alike, even within a round. A
+(another tenant of a shared box) then hits every configuration alike, even within a round.
+(``steady`` runs a configuration's whole cell at once, the order rotated from round to round.) A
 short cell is noisy (32 requests at once finish in a third of a second on the CPU), so each
 round runs the prompts ``passes[c]`` times: enough for the fastest configuration's warm-up time
 at c to reach ``--min-cell-seconds`` (the same count for every configuration, so each does the
@@ -44,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import math
 import os
@@ -64,6 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--drafter", default=f"{PAIR}/drafter")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--workload", choices=["waves", "steady"], default="waves",
+                   help="waves of c requests, or c requests in flight at all times")
     p.add_argument("--budgets", type=int, nargs="+", default=[4, 16, 64])
     p.add_argument("--num-prompts", type=int, default=32,
                    help="requests per round at every concurrency (in waves of c)")
@@ -186,15 +199,24 @@ def spec_counts(outputs) -> collections.Counter:
 
 
 def timed_round(args, llms: dict, prompts: list[dict], concurrency: int, passes: int = 1,
-                counted: dict | None = None) -> dict[str, float]:
-    """Seconds per configuration to run every prompt ``passes`` times in waves of
-    ``concurrency`` requests, the configurations taking turns wave by wave (rotated); adds each
-    configuration's own speculative-decoding counts to ``counted[name]``."""
+                counted: dict | None = None, round_: int = 0) -> dict[str, tuple[float, int]]:
+    """(seconds, output tokens) per configuration for every prompt run ``passes`` times at
+    ``concurrency`` in ``args.workload``; adds each configuration's own speculative-decoding
+    counts to ``counted[name]``.
+
+    ``waves``: the configurations take turns wave by wave (the order rotated); ``steady``: each
+    runs its whole cell in turn (the order rotated by ``round_``)."""
     from vllm import SamplingParams
 
+    names = list(llms)
+    if args.workload == "steady":
+        out = {}
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            out[name] = steady_cell(llms[name], prompts * passes, concurrency, args.max_tokens,
+                                    None if counted is None else counted[name])
+        return out
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     waves = [prompts[i:i + concurrency] for i in range(0, len(prompts), concurrency)] * passes
-    names = list(llms)
     seconds = dict.fromkeys(names, 0.0)
     for j, wave in enumerate(waves):
         for name in names[j % len(names):] + names[:j % len(names)]:
@@ -204,7 +226,53 @@ def timed_round(args, llms: dict, prompts: list[dict], concurrency: int, passes:
             if counted is not None:
                 counted[name].update(spec_counts(outs))
             assert all(len(o.outputs[0].token_ids) == args.max_tokens for o in outs)
-    return seconds
+    tokens = passes * len(prompts) * args.max_tokens
+    return {name: (seconds[name], tokens) for name in names}
+
+
+_steady_ids = itertools.count()
+
+
+def steady_cell(llm, prompts: list[dict], concurrency: int, max_tokens: int,
+                counted: collections.Counter | None = None) -> tuple[float, int]:
+    """Run ``prompts`` through ``llm``'s engine with ``concurrency`` requests in flight (a
+    finished request is replaced at once); (seconds, output tokens) from the start until the
+    last request is admitted (all of the run if they all fit in the first batch). The engine
+    is drained before returning."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    engine = llm.llm_engine
+    queue = list(llm._preprocess_cmpl(prompts))  # rendered as ``generate`` does, untimed
+    emitted = collections.Counter()
+    finished = []
+    window = None
+
+    def admit() -> None:
+        engine.add_request(f"steady-{next(_steady_ids)}", queue.pop(0), params)
+
+    start = time.perf_counter()
+    for _ in range(min(concurrency, len(queue))):
+        admit()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            emitted[out.request_id] += len(out.outputs[0].token_ids)
+            if not out.finished:
+                continue
+            finished.append(out)
+            if queue:
+                admit()
+                if not queue:
+                    window = (time.perf_counter() - start, sum(emitted.values()))
+    if window is None:
+        window = (time.perf_counter() - start, sum(emitted.values()))
+    assert len(finished) == len(prompts)
+    assert all(n == max_tokens for n in emitted.values())
+    if counted is not None:
+        counted.update(spec_counts(finished))
+    return window
 
 
 def engine_summary(llm, counts: collections.Counter) -> dict:
@@ -227,25 +295,28 @@ def run_all(args, configs: list[tuple[str, dict | None]], prompts: list[dict]) -
     # round 0 warms every engine up at every batch size, and sizes the cells
     passes = {}
     for c in args.concurrency:
-        warm = timed_round(args, llms, prompts, c)
-        passes[c] = max(1, math.ceil(args.min_cell_seconds / min(warm.values())))
+        # steady: at least 2c requests a cell, so its window holds at least half of them
+        least = math.ceil(2 * c / len(prompts)) if args.workload == "steady" else 1
+        warm = timed_round(args, llms, prompts, c, least)
+        fastest = min(seconds / least for seconds, _ in warm.values())
+        passes[c] = max(least, math.ceil(args.min_cell_seconds / fastest))
     print(f"passes over the prompts per cell: {passes}", flush=True)
-    times = {(name, c): [] for name, _ in configs for c in args.concurrency}
+    rates = {(name, c): [] for name, _ in configs for c in args.concurrency}
     counted = {name: collections.Counter() for name in llms}  # the timed rounds' counts
     for round_ in range(1, args.repeats + 1):
         for c in args.concurrency:
-            for name, seconds in timed_round(args, llms, prompts, c, passes[c],
-                                             counted).items():
-                times[name, c].append(seconds)
-                print(f"  round {round_} {name:14s} c={c:3d}: {seconds:6.2f} s", flush=True)
-    tokens = len(prompts) * args.max_tokens
+            for name, (seconds, tokens) in timed_round(args, llms, prompts, c, passes[c],
+                                                       counted, round_).items():
+                rates[name, c].append(tokens / seconds)
+                print(f"  round {round_} {name:14s} c={c:3d}: {seconds:6.2f} s, "
+                      f"{tokens / seconds:8.1f} tokens/s", flush=True)
     rows = []
     for (name, spec), llm in zip(configs, engines):
         row = {"name": name, "speculative_config": spec,
-               "tokens_per_s": {c: passes[c] * tokens / statistics.median(times[name, c])
+               "tokens_per_s": {c: statistics.median(rates[name, c])
                                 for c in args.concurrency},
                "passes": passes,
-               "runs_s": {c: times[name, c] for c in args.concurrency}}
+               "runs_tokens_per_s": {c: rates[name, c] for c in args.concurrency}}
         row.update(engine_summary(llm, counted[name]))
         rows.append(row)
     for llm in engines:
@@ -291,8 +362,9 @@ def git_commit() -> str | None:
 
 def paired(base: dict, other: dict, c: int) -> float:
     """Median over rounds of ``other``'s throughput / ``base``'s in the same round: both ran
-    wave by wave side by side, so a round's drift cancels in its ratio."""
-    return statistics.median(b / o for b, o in zip(base["runs_s"][c], other["runs_s"][c]))
+    side by side, so a round's drift cancels in its ratio."""
+    return statistics.median(o / b for b, o in zip(base["runs_tokens_per_s"][c],
+                                                   other["runs_tokens_per_s"][c]))
 
 
 def drafter_depth(drafter: str) -> int:
@@ -308,7 +380,8 @@ def main(argv=None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     prompts = prompts_for(args, args.num_prompts)
     device = device_name()
-    print(f"device: {device}; {len(prompts)} prompts x {args.max_tokens} tokens, T=0", flush=True)
+    print(f"device: {device}; {len(prompts)} prompts x {args.max_tokens} tokens, T=0, "
+          f"workload {args.workload}", flush=True)
     rows = run_all(args, configurations(args, drafter_depth(args.drafter)), prompts)
     import torch
     import vllm
@@ -361,7 +434,7 @@ def main(argv=None) -> None:
     with open(out, "w") as f:
         json.dump(record, f, indent=1)
     plot(rows, args.concurrency, out.replace(".json", ".png"),
-         f"{device}: tiny pair, T=0, {args.max_tokens} tokens/request")
+         f"{device}: tiny pair, T=0, {args.max_tokens} tokens/request, {args.workload}")
     print(f"wrote {out} and its .png")
 
 
