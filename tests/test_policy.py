@@ -118,23 +118,28 @@ class Engine:
     verifies drafts), the emitted tokens, then the proposal (drafting / drafts_sent), on a fake
     clock. The cost model says drafting always pays (verification free, gains large)."""
 
-    def __init__(self, num_reqs: int = 1):
+    def __init__(self, num_reqs: int = 1, resume_seconds: float = 0.0):
         self.ctl = controller()
         self.ctl.set_cost_model(CostModel((1, 1000), (0.005, 0.005), (1,), (0.001,)))
         self.clock = [0.0]  # the scheduler's step stamps (SchedulerOutput.ddtree_clock)
         self.num_reqs = num_reqs
         self.verifies = False  # the next step verifies drafts
+        # what the first step of a drafting run (it verifies nothing, then runs the drafter
+        # with the context its pause kept) takes beyond a plain step
+        self.resume_seconds = resume_seconds
 
     def step(self, draft_seconds: float, draft_tokens: int, plain_seconds: float) -> bool:
         """One decode step; a step verifying drafts takes ``draft_seconds`` and emits
-        ``draft_tokens`` per request, a plain one ``plain_seconds`` and 1. Returns whether the
-        drafter ran at its end."""
+        ``draft_tokens`` per request, a plain one ``plain_seconds`` and 1 (and
+        ``resume_seconds`` more where it runs the drafter). Returns whether the drafter ran at
+        its end."""
         ctl, r = self.ctl, self.num_reqs
         ctl.step_started(self.clock[0], r, r * (1 + 4 * self.verifies), True, self.verifies)
         ctl.tokens_emitted(r * (draft_tokens if self.verifies else 1))
-        self.clock[0] += draft_seconds if self.verifies else plain_seconds
         ran = ctl.drafting(ctl.will_draft(r))
         ctl.drafts_sent([4] * r if ran else [], [4] * r if ran else [0] * r)
+        self.clock[0] += (draft_seconds if self.verifies
+                          else plain_seconds + self.resume_seconds * ran)
         self.verifies = ran
         return ran
 
@@ -214,6 +219,55 @@ def test_pause_length_is_the_shortest_that_keeps_the_probes_loss_under_probe_los
         assert FIRST_PAUSE <= pause <= MAX_PAUSE
         assert lost(pause) <= policy.PROBE_LOSS or pause == MAX_PAUSE
         assert pause == FIRST_PAUSE or pause == MAX_PAUSE or lost(pause - 1) > policy.PROBE_LOSS
+
+
+def test_a_probe_pays_for_resuming_the_drafter():
+    """The first step of a probe takes ``resume`` seconds more than a plain step (the drafter's
+    kept context written, its run): the pause after a probe's "no" covers that too. Drafting
+    16 ms for 2.5 tokens against plain 5 ms for 1 (loss 0.21875), resuming 5 ms: 191 steps
+    without it, 240 with it (240 * 5 ms = 6 * 16 ms * (0.21875 / 0.02 - 1) + 5 ms * 49, by
+    hand), and the cycle then loses at most PROBE_LOSS counted with the resume."""
+    ctl = controller()
+    ctl._measured[(1, True)] = MeasuredRate(0.016, 2.5, MIN_MEASURED, MIN_MEASURED)
+    ctl._measured[(1, False)] = MeasuredRate(0.005, 1.0, MIN_MEASURED, MIN_MEASURED)
+    ctl._pause[1] = FIRST_PAUSE  # a probe after the first pause answered "no"
+    assert ctl._pause_length(1) == 191
+    ctl.resume_s[1] = 0.005
+    assert ctl._pause_length(1) == 240
+    loss, probe_s = 0.21875, policy.PROBE_STEPS * 0.016
+
+    def lost(n: int) -> float:
+        return (probe_s * loss + 0.005) / (n * 0.005 + probe_s + 0.005)
+
+    assert lost(240) <= policy.PROBE_LOSS < lost(239)
+    # a drafter that loses nothing while it drafts still pauses long if resuming costs
+    ctl._measured[(1, True)] = MeasuredRate(0.010, 2.0, MIN_MEASURED, MIN_MEASURED)
+    ctl.resume_s[1] = 0.001
+    assert ctl._pause_length(1) == max(FIRST_PAUSE, math.ceil(
+        (policy.PROBE_STEPS * 0.010 * (0.0 / policy.PROBE_LOSS - 1) + 0.001 * 49) / 0.005))
+
+
+def test_resuming_is_measured_from_the_first_step_of_each_drafting_run():
+    """Driven like the runner: a drafter slower than plain decoding (16 ms for 2.5 tokens
+    against 5 ms for 1) whose drafting runs each begin with a step 20 ms longer than a plain
+    one. The controller measures that 20 ms from its step stamps and the pauses after its
+    probes grow to cover it: each cycle (pause, probe, resume) loses at most PROBE_LOSS, or
+    the pause is MAX_PAUSE (where the 20 ms alone would need 196 steps beside the 191 the
+    rates ask for)."""
+    engine = Engine(resume_seconds=0.020)
+    ran = [engine.step(0.016, 2.5, 0.005) for _ in range(3000)]
+    assert engine.ctl.resume_s[1] == pytest.approx(0.020)
+    runs = alternating_runs(ran[ran.index(False) + FIRST_PAUSE:])
+    pauses = [length for value, length in runs[1:-1] if not value]
+    assert pauses[0] == FIRST_PAUSE and pauses[1:] == [MAX_PAUSE] * (len(pauses) - 1)
+    loss, probe_s = 0.21875, policy.PROBE_STEPS * 0.016
+    assert (probe_s * loss + 0.020) / (MAX_PAUSE * 0.005 + probe_s + 0.020) > policy.PROBE_LOSS
+    # without the resume cost the same drafter's second pause is the rates' 191 steps or so
+    engine = Engine()
+    ran = [engine.step(0.016, 2.5, 0.005) for _ in range(1200)]
+    runs = alternating_runs(ran[ran.index(False) + FIRST_PAUSE:])
+    assert [length for value, length in runs[1:-1] if not value][1] < MAX_PAUSE
+    assert engine.ctl.resume_s.get(1, 0.0) == 0.0
 
 
 def alternating_runs(ran: list[bool]) -> list[tuple[bool, int]]:

@@ -31,10 +31,11 @@ bucket (R's power of two): a new regime of traffic gets its own answer. Once the
 decide (below), a probe drafts until ``MIN_MEASURED`` of its own verify steps are measured and
 answers with their rate alone (``_probing``); when a probe answers "no", the next pause is at
 least as long as keeps the measured loss of the probes under ``PROBE_LOSS`` of the time
-(``_pause_length``): a drafter that loses a third of the throughput while it drafts (32 requests
-on the CPU) pauses for ~200 steps after its first probe, one that loses 5 % still doubles from
-8. The first pause of a sequence stays ``FIRST_PAUSE``: at one request the running rate follows
-each prompt's acceptance, and one bad prompt must not pause a drafter that pays for long.
+(``_pause_length``), what resuming the drafter costs included (``resume_s``, below): a drafter
+that loses a third of the throughput while it drafts (32 requests on the CPU) pauses for ~200
+steps after its first probe, one that loses 5 % still doubles from 8. The first pause of a
+sequence stays ``FIRST_PAUSE``: at one request the running rate follows each prompt's
+acceptance, and one bad prompt must not pause a drafter that pays for long.
 Where decisions are made: every rank of a tensor-parallel group runs its own controller, and
 the controllers stay identical by construction (``ranks.py``): they read time only from the
 scheduler's clock stamp of each step (``SchedulerOutput.ddtree_clock``, broadcast to every
@@ -71,7 +72,15 @@ decoding the same way every ``REMEASURE_AFTER`` steps, or less often where that 
 more than ``REMEASURE_LOSS`` of the time (``_remeasure_interval``), starting its plain average
 afresh: a plain rate measured while the machine was slow (another tenant's burst) must not keep
 a drafter on that no longer pays. Steps that draft without verifying (the first of a probe) and
-steps with a prefill are not counted.
+steps with a prefill are not counted in the rates.
+
+Resuming costs: the first step of a drafting run verifies nothing, yet it runs the drafter,
+and after a pause that first writes the context the pause kept (``DDTreeProposer.flush_context``:
+up to ``WARM_UP`` steps of every request's rows). Its time beyond what plain decoding takes for
+its tokens is kept per bucket (``resume_s``, a running average with weight ``RESUME_EMA``) and
+charged to every probe in ``_pause_length``: at 32 requests on the CPU such a step took ~31 ms
+against 12.7 ms for a plain one, a cost comparable to the probe's loss by the rates, which
+pauses that left it out did not cover.
 """
 
 from __future__ import annotations
@@ -100,6 +109,7 @@ EXPLORE_AFTER = 16  # measured drafting steps after which a bucket with no plain
 REMEASURE_AFTER = 256  # steps after which a drafting bucket measures plain decoding again ...
 REMEASURE_LOSS = 0.0025  # ... or later, while that costs more than this share of the time
 MAX_REMEASURE = 1024  # the longest interval between two re-measurements of plain decoding
+RESUME_EMA = 0.5  # weight of each drafting run's first step in a bucket's resume cost
 WARM_UP = 32  # steps before a probe from which a paused drafter keeps its context again
 LOG_INTERVAL_S = 10.0  # the periodic log line (vLLM's stats interval)
 
@@ -172,6 +182,7 @@ class BudgetController:
         self._measured: dict[tuple[int, bool], MeasuredRate] = {}  # (bucket, drafting) -> rate
         self._remeasure_at: dict[int, int] = {}  # batch bucket -> step to re-measure plain
         self._probe_started: dict[int, int] = {}  # batch bucket -> the pause its probe ended
+        self.resume_s: dict[int, float] = {}  # batch bucket -> seconds resuming the drafter costs
         self._drafting_now = True
         # the scheduler's mean grammar seconds per structured-output node (grammar.GrammarTime,
         # with each step's schedule): auto counts it in the step time of the trees it sizes
@@ -188,6 +199,7 @@ class BudgetController:
                 sorted(self._pause_until.items()), sorted(self._pause.items()),
                 sorted(self._no_streak.items()), sorted(self._draft_rate.items()),
                 sorted(self._remeasure_at.items()), sorted(self._probe_started.items()),
+                sorted(self.resume_s.items()),
                 sorted((k, (r.seconds, r.tokens, r.steps, r.fresh))
                        for k, r in self._measured.items()))
 
@@ -311,18 +323,21 @@ class BudgetController:
         """The next pause of a bucket: the doubling one, or, when a probe answered "no" (the
         bucket is in a sequence of pauses) and both rates are measured, at least the pause
         after which a probe's loss is ``PROBE_LOSS`` of the time. A probe of
-        ``PROBE_STEPS`` drafting steps (``t_on`` each) loses the share ``loss`` of its time
-        (drafting's measured tokens per second are ``1 - loss`` of plain decoding's); over a
+        ``PROBE_STEPS`` drafting steps (``t_on`` each) loses the share ``loss`` of their time
+        (drafting's measured tokens per second are ``1 - loss`` of plain decoding's), and its
+        first step takes ``resume`` seconds more than a plain one (:attr:`resume_s`); over a
         pause of ``n`` plain steps (``t_off`` each) and the probe that ends it, that is
-        ``PROBE_LOSS`` when ``n = PROBE_STEPS * t_on / t_off * (loss / PROBE_LOSS - 1)``.
-        Example: steps of 16 ms for 2.5 tokens against 5 ms for 1 (loss 0.22): 191 steps."""
+        ``PROBE_LOSS`` when ``n * t_off = PROBE_STEPS * t_on * (loss / PROBE_LOSS - 1)
+        + resume * (1 / PROBE_LOSS - 1)``. Example: steps of 16 ms for 2.5 tokens against 5 ms
+        for 1 (loss 0.22): 191 steps; with resuming at 5 ms more: 240."""
         pause = self._pause.get(bucket, FIRST_PAUSE)
         if bucket in self._pause and self._measured_both(bucket):
             on, off = self._measured[(bucket, True)], self._measured[(bucket, False)]
             loss = 1.0 - on.tokens_per_s() / max(off.tokens_per_s(), 1e-12)
-            if loss > PROBE_LOSS:
-                probe = PROBE_STEPS * on.seconds / max(off.seconds, 1e-12)  # in plain steps
-                pause = max(pause, math.ceil(probe * (loss / PROBE_LOSS - 1.0)))
+            lost = (PROBE_STEPS * on.seconds * (loss / PROBE_LOSS - 1.0)
+                    + self.resume_s.get(bucket, 0.0) * (1.0 / PROBE_LOSS - 1.0))
+            if lost > 0.0:
+                pause = max(pause, math.ceil(lost / max(off.seconds, 1e-12)))
         return min(pause, MAX_PAUSE)
 
     def _probing(self, bucket: int) -> bool:
@@ -428,6 +443,8 @@ class BudgetController:
                 self._last = None  # a prefill step's time says nothing about decode costs
             return
         start, reqs, tokens, last_verified = last
+        if emitted is not None and not last_verified and self._drafting_now:
+            self._observe_resume(self._bucket(reqs), now - start, emitted)
         if emitted is not None and (last_verified or not self._drafting_now):
             seconds = now - start
             if last_verified and not self._drafting_now:  # a probe answered "no": its verify
@@ -441,6 +458,18 @@ class BudgetController:
             self.on_overhead = _updated_overhead(self.on_overhead, now - start, predicted)
         else:
             self.off_overhead = _updated_overhead(self.off_overhead, now - start, predicted)
+
+    def _observe_resume(self, bucket: int, seconds: float, emitted: int) -> None:
+        """A decode step that verified nothing and ran the drafter at its end (a drafting run's
+        first): its ``seconds`` beyond the time plain decoding's measured rate needs for its
+        ``emitted`` tokens fold into :attr:`resume_s` (nothing before plain decoding is
+        measured here)."""
+        off = self._measured.get((bucket, False))
+        if off is None or off.steps < MIN_MEASURED:
+            return
+        extra = max(seconds - emitted / max(off.tokens_per_s(), 1e-12), 0.0)
+        old = self.resume_s.get(bucket)
+        self.resume_s[bucket] = extra if old is None else old + RESUME_EMA * (extra - old)
 
     # --- observability ----------------------------------------------------------------------
 
@@ -463,6 +492,9 @@ class BudgetController:
             out["calibration_sampled"] = [[round(float(c), 2) for c in row] for row in factors[1]]
             out["on_overhead_ms"] = round(self.on_overhead * 1e3, 3)
             out["off_overhead_ms"] = round(self.off_overhead * 1e3, 3)
+            out["resume_ms"] = {f"{1 << (bucket - 1)}-{(1 << bucket) - 1} requests":
+                                round(seconds * 1e3, 3)
+                                for bucket, seconds in sorted(self.resume_s.items())}
             out["measured_tokens_per_s"] = {
                 f"{1 << (bucket - 1)}-{(1 << bucket) - 1} requests, "
                 f"{'drafting' if drafting else 'plain'}": round(rate.tokens_per_s(), 1)
