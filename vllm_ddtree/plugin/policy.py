@@ -520,7 +520,8 @@ class BudgetController:
             extra = (f", calibration per depth and score bin {s['calibration_greedy']} (greedy) "
                      f"{s['calibration_sampled']} (sampled), step overhead beyond the model "
                      f"{s['on_overhead_ms']} ms drafting, {s['off_overhead_ms']} ms not, "
-                     f"measured tokens/s {s['measured_tokens_per_s']}")
+                     f"measured tokens/s {s['measured_tokens_per_s']}, resuming the drafter "
+                     f"costs (ms beyond a plain step) {s['resume_ms']}")
         logger.info("ddtree %s budgets: %.1f nodes per request per step over %d steps, drafter "
                     "on in %.0f%% of them, cold in %.0f%%%s", s["policy"],
                     s["mean_nodes_per_request_step"], s["steps"], 100 * s["drafter_on_fraction"],
