@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # budget_policy first: launches drops this directory from sys.path (see stage_times.py)
 import budget_policy  # noqa: E402
 import launches  # noqa: E402
+from vllm_utils import ddtree_state  # noqa: E402  (tests/, put on sys.path by launches)
 
 GAP_S = 0.5  # a gap between stamps this long is the other engine's turn, not a step
 
@@ -76,18 +77,15 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                       "auto_trace_cpu.json"))
     args = parser.parse_args()
-    suffix = "" if args.tree_temperature == 1.0 else f"_t{args.tree_temperature:g}"
-    auto = f"ddtree_auto{suffix}"
+    auto = f"ddtree_auto{budget_policy.name_suffix(args.tree_temperature)}"
     policy_args = budget_policy.parse_args(
         ["--concurrency", str(args.concurrency), "--budgets", str(args.budget),
          "--tree-temperatures", str(args.tree_temperature), "--only", "plain", auto])
     configs = budget_policy.configurations(policy_args, budget_policy.drafter_depth(
         policy_args.drafter))
-    llms = {name: budget_policy.start_engine(policy_args, spec, len(configs))
-            for name, spec in configs}
-    runner = (llms[auto].llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
-              .model_runner)
-    steps = record_steps(runner.ddtree_state.budgets)
+    llms = budget_policy.start_engines(policy_args, configs)
+    controller = ddtree_state(llms[auto]).budgets
+    steps = record_steps(controller)
     prompts = budget_policy.prompts_for(policy_args, policy_args.num_prompts) * args.passes
     results = []
     for round_ in range(args.rounds):
@@ -100,7 +98,7 @@ def main() -> None:
         row["auto_steps"] = step_kinds(steps[first:])
         results.append(row)
         print(row, flush=True)
-    results.append({"auto_summary": runner.ddtree_state.budgets.summary()})
+    results.append({"auto_summary": controller.summary()})
     launches.write_results(args.out, __file__, results)
 
 

@@ -104,13 +104,19 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def name_suffix(tree_temperature: float) -> str:
+    """How a configuration's name says its ``ddtree_tree_temperature``: ``_t<t>``, nothing at
+    1. Example: 0.85 -> "_t0.85" (``ddtree_B16_t0.85``)."""
+    return "" if tree_temperature == 1.0 else f"_t{tree_temperature:g}"
+
+
 def configurations(args, depth: int) -> list[tuple[str, dict | None]]:
     top = max(args.budgets)
     configs = [("plain", None),
                ("dflash", {"method": "dflash", "model": args.drafter,
                            "num_speculative_tokens": depth})]
     for t in args.tree_temperatures:
-        suffix, extra = ("", {}) if t == 1.0 else (f"_t{t:g}", {"ddtree_tree_temperature": t})
+        suffix, extra = name_suffix(t), ({} if t == 1.0 else {"ddtree_tree_temperature": t})
         configs += [(f"ddtree_B{b}{suffix}", {"method": "ddtree", "model": args.drafter,
                                                "num_speculative_tokens": b,
                                                "ddtree_budget_policy": "static", **extra})
@@ -183,6 +189,11 @@ def start_engine(args, spec: dict | None, num_engines: int):
         per_request_spec_decode_metrics="summary" if spec else "none",
         **memory,
     )
+
+
+def start_engines(args, configs: list[tuple[str, dict | None]]) -> dict:
+    """Every configuration's engine, by name, up at once (they share the device)."""
+    return {name: start_engine(args, spec, len(configs)) for name, spec in configs}
 
 
 def spec_counts(outputs) -> collections.Counter:
@@ -290,8 +301,7 @@ def engine_summary(llm, counts: collections.Counter) -> dict:
 
 def run_all(args, configs: list[tuple[str, dict | None]], prompts: list[dict]) -> list[dict]:
     """Every engine up at once, then a warm-up round and ``args.repeats`` timed rounds."""
-    engines = [start_engine(args, spec, len(configs)) for _, spec in configs]
-    llms = {name: llm for (name, _), llm in zip(configs, engines)}
+    llms = start_engines(args, configs)
     # round 0 warms every engine up at every batch size, and sizes the cells
     passes = {}
     for c in args.concurrency:
@@ -311,15 +321,15 @@ def run_all(args, configs: list[tuple[str, dict | None]], prompts: list[dict]) -
                 print(f"  round {round_} {name:14s} c={c:3d}: {seconds:6.2f} s, "
                       f"{tokens / seconds:8.1f} tokens/s", flush=True)
     rows = []
-    for (name, spec), llm in zip(configs, engines):
+    for name, spec in configs:
         row = {"name": name, "speculative_config": spec,
                "tokens_per_s": {c: statistics.median(rates[name, c])
                                 for c in args.concurrency},
                "passes": passes,
                "runs_tokens_per_s": {c: rates[name, c] for c in args.concurrency}}
-        row.update(engine_summary(llm, counted[name]))
+        row.update(engine_summary(llms[name], counted[name]))
         rows.append(row)
-    for llm in engines:
+    for llm in llms.values():
         llm.llm_engine.engine_core.shutdown()
     return rows
 

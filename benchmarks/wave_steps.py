@@ -71,15 +71,14 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                       "wave_steps_cpu.json"))
     args = parser.parse_args()
-    suffix = "" if args.tree_temperature == 1.0 else f"_t{args.tree_temperature:g}"
+    suffix = budget_policy.name_suffix(args.tree_temperature)
     policy_args = budget_policy.parse_args(
         ["--concurrency", *map(str, args.concurrency), "--max-tokens", str(args.max_tokens),
          "--budgets", *map(str, args.budgets), "--tree-temperatures", str(args.tree_temperature),
          "--only", "plain", *(f"ddtree_B{b}{suffix}" for b in args.budgets)])
     configs = budget_policy.configurations(policy_args, budget_policy.drafter_depth(
         policy_args.drafter))
-    llms = {name: budget_policy.start_engine(policy_args, spec, len(configs))
-            for name, spec in configs}
+    llms = budget_policy.start_engines(policy_args, configs)
     prompts = budget_policy.prompts_for(policy_args, args.num_prompts)
     results = []
     for c in args.concurrency:
