@@ -181,7 +181,12 @@ def start_engine(args, spec: dict | None, num_engines: int):
         enforce_eager=args.enforce_eager or not torch.cuda.is_available(),
         max_model_len=args.max_model_len,
         max_num_seqs=top,
-        max_num_batched_tokens=max(2048, top * (budget + 16)),
+        # a wave's prompts in one step for every configuration: vLLM's scheduler charges each
+        # request it schedules the drafter's query slots too (L for ddtree and dflash,
+        # SpeculativeConfig.max_num_new_slots_for_drafting), so a budget that fits c prompts
+        # for plain decoding (2048 for 32 x 64) made the speculative engines prefill every
+        # wave of 32 in two steps (65 steps a wave against 64)
+        max_num_batched_tokens=max(2048, top * (args.prompt_len + budget + 16)),
         seed=0,
         disable_log_stats=False,
         # acceptance per request in the outputs: vLLM's Prometheus counters are one set per

@@ -232,10 +232,12 @@ def main(argv=None) -> None:
         print(f"{name:22s} " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                          for k, v in r.items()))
     kind = f"decode{args.decode_steps}" if args.decode_steps else f"waves{args.waves}"
+    device = budget_policy.device_name()
+    tag = "cpu" if device.startswith("CPU") else device.lower().replace(" ", "_")
     out = args.out or os.path.join(ROOT, "benchmarks", "results",
-                                   f"lockstep_{args.concurrency}req_{kind}_cpu.json")
+                                   f"lockstep_{args.concurrency}req_{kind}_{tag}.json")
     record = {"command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + (argv or sys.argv[1:])),
-              "commit": budget_policy.git_commit(), "device": budget_policy.device_name(),
+              "commit": budget_policy.git_commit(), "device": device,
               "reference": reference, "results": results}
     with open(out, "w") as f:
         json.dump(record, f, indent=1)

@@ -152,7 +152,7 @@ def test_a_drafter_slower_than_plain_decoding_is_paused_whatever_the_model_says(
     the time (drafting emits 1 - 0.219 of plain decoding's tokens per second)."""
     assert MIN_MEASURED <= FIRST_PAUSE - 2  # a pause measures enough plain steps
     engine = Engine()
-    ran = [engine.step(0.016, 2.5, 0.005) for _ in range(1200)]
+    ran = [engine.step(0.016, 2.5, 0.005) for _ in range(2400)]
     first_off = ran.index(False)
     # the first drafting step is a transition (no verify yet), then EXPLORE_AFTER measured
     # ones; a step's measurement lands when the next step starts
@@ -186,11 +186,11 @@ def test_a_drafter_slower_than_plain_decoding_is_paused_whatever_the_model_says(
 
 
 def test_a_drafter_that_loses_little_keeps_the_doubling_pauses():
-    """Drafting loses 4.5 % (1.05 tokens in 5.5 ms against 1 in 5 ms): a probe after the
-    doubling pause of 8 steps loses ~2 % already; the pauses double from there (8, 16, ...),
-    so a drafter close to break-even is asked again soon."""
+    """Drafting loses 1.9 % (1.05 tokens in 5.35 ms against 1 in 5 ms): a probe after the
+    doubling pause of 8 steps loses ~0.8 % (under PROBE_LOSS) already; the pauses double from
+    there (8, 16, ...), so a drafter close to break-even is asked again soon."""
     engine = Engine()
-    ran = [engine.step(0.0055, 1.05, 0.005) for _ in range(1200)]
+    ran = [engine.step(0.00535, 1.05, 0.005) for _ in range(1200)]
     runs = alternating_runs(ran[ran.index(False) + FIRST_PAUSE:])
     pauses = [length for value, length in runs[1:-1] if not value]
     assert pauses[0] <= 2 * FIRST_PAUSE
@@ -224,22 +224,24 @@ def test_pause_length_is_the_shortest_that_keeps_the_probes_loss_under_probe_los
 def test_a_probe_pays_for_resuming_the_drafter():
     """The first step of a probe takes ``resume`` seconds more than a plain step (the drafter's
     kept context written, its run): the pause after a probe's "no" covers that too. Drafting
-    16 ms for 2.5 tokens against plain 5 ms for 1 (loss 0.21875), resuming 5 ms: 191 steps
-    without it, 240 with it (240 * 5 ms = 6 * 16 ms * (0.21875 / 0.02 - 1) + 5 ms * 49, by
-    hand), and the cycle then loses at most PROBE_LOSS counted with the resume."""
+    16 ms for 3 tokens against plain 5 ms for 1 (loss 0.0625), resuming 5 ms: 101 steps
+    without it, 200 with it (200 * 5 ms = 6 * 16 ms * (0.0625 / 0.01 - 1) + 5 ms * 99, by
+    hand, less 0.2 steps), and the cycle then loses at most PROBE_LOSS counted with the
+    resume."""
+    assert policy.PROBE_LOSS == 0.01  # the numbers below are worked out for it
     ctl = controller()
-    ctl._measured[(1, True)] = MeasuredRate(0.016, 2.5, MIN_MEASURED, MIN_MEASURED)
+    ctl._measured[(1, True)] = MeasuredRate(0.016, 3.0, MIN_MEASURED, MIN_MEASURED)
     ctl._measured[(1, False)] = MeasuredRate(0.005, 1.0, MIN_MEASURED, MIN_MEASURED)
     ctl._pause[1] = FIRST_PAUSE  # a probe after the first pause answered "no"
-    assert ctl._pause_length(1) == 191
+    assert ctl._pause_length(1) == 101
     ctl.resume_s[1] = 0.005
-    assert ctl._pause_length(1) == 240
-    loss, probe_s = 0.21875, policy.PROBE_STEPS * 0.016
+    assert ctl._pause_length(1) == 200
+    loss, probe_s = 0.0625, policy.PROBE_STEPS * 0.016
 
     def lost(n: int) -> float:
         return (probe_s * loss + 0.005) / (n * 0.005 + probe_s + 0.005)
 
-    assert lost(240) <= policy.PROBE_LOSS < lost(239)
+    assert lost(200) <= policy.PROBE_LOSS < lost(199)
     # a drafter that loses nothing while it drafts still pauses long if resuming costs
     ctl._measured[(1, True)] = MeasuredRate(0.010, 2.0, MIN_MEASURED, MIN_MEASURED)
     ctl.resume_s[1] = 0.001
@@ -252,7 +254,7 @@ def test_resuming_is_measured_from_the_first_step_of_each_drafting_run():
     against 5 ms for 1) whose drafting runs each begin with a step 20 ms longer than a plain
     one. The controller measures that 20 ms from its step stamps and the pauses after its
     probes grow to cover it: each cycle (pause, probe, resume) loses at most PROBE_LOSS, or
-    the pause is MAX_PAUSE (where the 20 ms alone would need 196 steps beside the 191 the
+    the pause is MAX_PAUSE (where the 20 ms alone would need 396 steps beside the 401 the
     rates ask for)."""
     engine = Engine(resume_seconds=0.020)
     ran = [engine.step(0.016, 2.5, 0.005) for _ in range(3000)]
@@ -262,7 +264,7 @@ def test_resuming_is_measured_from_the_first_step_of_each_drafting_run():
     assert pauses[0] == FIRST_PAUSE and pauses[1:] == [MAX_PAUSE] * (len(pauses) - 1)
     loss, probe_s = 0.21875, policy.PROBE_STEPS * 0.016
     assert (probe_s * loss + 0.020) / (MAX_PAUSE * 0.005 + probe_s + 0.020) > policy.PROBE_LOSS
-    # without the resume cost the same drafter's second pause is the rates' 191 steps or so
+    # without the resume cost the same drafter's second pause is the rates' 401 steps or so
     engine = Engine()
     ran = [engine.step(0.016, 2.5, 0.005) for _ in range(1200)]
     runs = alternating_runs(ran[ran.index(False) + FIRST_PAUSE:])
@@ -386,7 +388,7 @@ def test_a_drafter_that_becomes_faster_than_plain_decoding_drafts_again():
     steps decide, not the running average of the slow ones (with a one-step probe that moved
     the average by MEASURED_EMA, it took ~1500 steps of doubling pauses)."""
     engine = Engine()
-    slow = [engine.step(0.016, 2.5, 0.005) for _ in range(600)]
+    slow = [engine.step(0.016, 2.5, 0.005) for _ in range(1200)]
     value, into = alternating_runs(slow)[-1]  # some steps into a pause of MAX_PAUSE
     assert not value and alternating_runs(slow)[-3] == (False, MAX_PAUSE)
     fast = [engine.step(0.008, 3, 0.005) for _ in range(2200)]

@@ -26,14 +26,17 @@ until this regime has both kinds of step measured, then by the measured rates be
 ``PAUSE_AFTER`` consecutive steps while drafting has mostly not paid lately in this regime (a
 running rate of "draft" answers below one half: a few unsure trees, as at the start of a
 generation, do not switch off a drafter that pays), and probes again after a pause that doubles
-each time the probe's answer stays the same (8 steps, then 16, ... up to 256), per batch-size
+each time the probe's answer stays the same (8 steps, then 16, ... up to 512), per batch-size
 bucket (R's power of two): a new regime of traffic gets its own answer. Once the measured rates
 decide (below), a probe drafts until ``MIN_MEASURED`` of its own verify steps are measured and
 answers with their rate alone (``_probing``); when a probe answers "no", the next pause is at
 least as long as keeps the measured loss of the probes under ``PROBE_LOSS`` of the time
 (``_pause_length``), what resuming the drafter costs included (``resume_s``, below): a drafter
-that loses a third of the throughput while it drafts (32 requests on the CPU) pauses for ~200
-steps after its first probe, one that loses 5 % still doubles from 8. The first pause of a
+that loses 11 % of the throughput while it drafts (auto's trees at 32 requests on the CPU)
+pauses for ~290 steps after its first probe, one that loses 2 % still doubles from 8.
+``PROBE_LOSS`` is 1 %: where drafting never pays, auto's floor (a step that drafts nothing
+still carries vLLM's speculative bookkeeping: 0.96-0.97 of plain decoding's throughput on the
+CPU, docs/measurements.md) less the probes is where auto runs. The first pause of a
 sequence stays ``FIRST_PAUSE``: at one request the running rate follows each prompt's
 acceptance, and one bad prompt must not pause a drafter that pays for long.
 Where decisions are made: every rank of a tensor-parallel group runs its own controller, and
@@ -97,14 +100,14 @@ from vllm_ddtree.plugin.options import DDTreeOptions
 
 logger = logging.getLogger("vllm.ddtree")  # under vLLM's logger: its handlers and format
 
-FIRST_PAUSE, MAX_PAUSE = 8, 256  # steps: auto's pause after a "do not draft" answer, doubling
+FIRST_PAUSE, MAX_PAUSE = 8, 512  # steps: auto's pause after a "do not draft" answer, doubling
 PAUSE_AFTER = 2  # consecutive "do not draft" answers before the first pause of a bucket
 ANSWER_EMA = 0.2  # weight of each answer in a bucket's running rate of "draft" answers
 OVERHEAD_EMA = 0.1  # weight of each new step-time observation in the online correction
 MEASURED_EMA = 0.1  # weight of each step in a bucket's measured drafting / plain rates
 MIN_MEASURED = 4  # steps of each kind before the measured rates can say "no"
 PROBE_STEPS = MIN_MEASURED + 2  # steps the drafter runs in a probe (one verifies nothing)
-PROBE_LOSS = 0.02  # the most of the time that probes of a measured-losing drafter may lose
+PROBE_LOSS = 0.01  # the most of the time that probes of a measured-losing drafter may lose
 EXPLORE_AFTER = 16  # measured drafting steps after which a bucket with no plain ones pauses
 REMEASURE_AFTER = 256  # steps after which a drafting bucket measures plain decoding again ...
 REMEASURE_LOSS = 0.0025  # ... or later, while that costs more than this share of the time
@@ -328,8 +331,8 @@ class BudgetController:
         first step takes ``resume`` seconds more than a plain one (:attr:`resume_s`); over a
         pause of ``n`` plain steps (``t_off`` each) and the probe that ends it, that is
         ``PROBE_LOSS`` when ``n * t_off = PROBE_STEPS * t_on * (loss / PROBE_LOSS - 1)
-        + resume * (1 / PROBE_LOSS - 1)``. Example: steps of 16 ms for 2.5 tokens against 5 ms
-        for 1 (loss 0.22): 191 steps; with resuming at 5 ms more: 240."""
+        + resume * (1 / PROBE_LOSS - 1)``. Example: steps of 16 ms for 3 tokens against 5 ms
+        for 1 (loss 0.0625): 101 steps; with resuming at 5 ms more: 200."""
         pause = self._pause.get(bucket, FIRST_PAUSE)
         if bucket in self._pause and self._measured_both(bucket):
             on, off = self._measured[(bucket, True)], self._measured[(bucket, False)]
