@@ -33,10 +33,11 @@ answers with their rate alone (``_probing``); when a probe answers "no", the nex
 least as long as keeps the measured loss of the probes under ``PROBE_LOSS`` of the time
 (``_pause_length``), what resuming the drafter costs included (``resume_s``, below): a drafter
 that loses 11 % of the throughput while it drafts (auto's trees at 32 requests on the CPU)
-pauses for ~290 steps after its first probe, one that loses 2 % still doubles from 8.
-``PROBE_LOSS`` is 1 %: where drafting never pays, auto's floor (a step that drafts nothing
-still carries vLLM's speculative bookkeeping: 0.96-0.97 of plain decoding's throughput on the
-CPU, docs/measurements.md) less the probes is where auto runs. The first pause of a
+pauses for ~290 steps after its first probe; one that loses 2 % and costs nothing to resume
+still doubles from 8. ``PROBE_LOSS`` is 1 %: where drafting never pays, auto's floor (a step
+that drafts nothing still carries vLLM's speculative bookkeeping: 0.96-0.97 of plain
+decoding's throughput on the CPU, docs/measurements.md) less the probes is where auto runs.
+The first pause of a
 sequence stays ``FIRST_PAUSE``: at one request the running rate follows each prompt's
 acceptance, and one bad prompt must not pause a drafter that pays for long.
 Where decisions are made: every rank of a tensor-parallel group runs its own controller, and
