@@ -142,6 +142,12 @@ def device_name() -> str:
     return f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()}"
 
 
+def device_tag(device: str) -> str:
+    """A result file's device suffix: "cpu", or the GPU's name (``device_name``) in lower case
+    with underscores."""
+    return "cpu" if device.startswith("CPU") else device.lower().replace(" ", "_")
+
+
 def prompts_for(args, count: int) -> list[dict]:
     from transformers import AutoTokenizer
 
@@ -434,8 +440,7 @@ def main(argv=None) -> None:
             print("never drafting (the floor of any policy) / plain: " + ", ".join(
                 f"c={c}: {v['paused_over_plain']:.3f}; {v['paused_over_plain_paired']:.3f}"
                 for c, v in summary.items()))
-    tag = "cpu" if device.startswith("CPU") else device.lower().replace(" ", "_")
-    out = args.out or os.path.join(RESULTS, f"budget_policy_{tag}.json")
+    out = args.out or os.path.join(RESULTS, f"budget_policy_{device_tag(device)}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     record = {
         "command": " ".join([os.path.relpath(sys.argv[0], REPO)] + (argv or sys.argv[1:])),

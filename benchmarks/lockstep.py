@@ -233,9 +233,9 @@ def main(argv=None) -> None:
                                          for k, v in r.items()))
     kind = f"decode{args.decode_steps}" if args.decode_steps else f"waves{args.waves}"
     device = budget_policy.device_name()
-    tag = "cpu" if device.startswith("CPU") else device.lower().replace(" ", "_")
-    out = args.out or os.path.join(ROOT, "benchmarks", "results",
-                                   f"lockstep_{args.concurrency}req_{kind}_{tag}.json")
+    out = args.out or os.path.join(
+        ROOT, "benchmarks", "results",
+        f"lockstep_{args.concurrency}req_{kind}_{budget_policy.device_tag(device)}.json")
     record = {"command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + (argv or sys.argv[1:])),
               "commit": budget_policy.git_commit(), "device": device,
               "reference": reference, "results": results}

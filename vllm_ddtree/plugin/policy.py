@@ -37,9 +37,8 @@ pauses for ~290 steps after its first probe; one that loses 2 % and costs nothin
 still doubles from 8. ``PROBE_LOSS`` is 1 %: where drafting never pays, auto's floor (a step
 that drafts nothing still carries vLLM's speculative bookkeeping: 0.96-0.97 of plain
 decoding's throughput on the CPU, docs/measurements.md) less the probes is where auto runs.
-The first pause of a
-sequence stays ``FIRST_PAUSE``: at one request the running rate follows each prompt's
-acceptance, and one bad prompt must not pause a drafter that pays for long.
+The first pause of a sequence stays ``FIRST_PAUSE``: at one request the running rate follows
+each prompt's acceptance, and one bad prompt must not pause a drafter that pays for long.
 Where decisions are made: every rank of a tensor-parallel group runs its own controller, and
 the controllers stay identical by construction (``ranks.py``): they read time only from the
 scheduler's clock stamp of each step (``SchedulerOutput.ddtree_clock``, broadcast to every
