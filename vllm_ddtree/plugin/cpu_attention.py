@@ -57,6 +57,8 @@ class TreeAttentionInfo:
     mask: torch.Tensor  # [n, b, s] bool: what row i sees (padding rows: position 0)
     # the tree rows are every query row of the step: the stock causal kernel is not needed
     covers_all: bool = False
+    # the fused CPU ops when the builder used them (every layer of the step then does too)
+    ops: object = None
     # (isa, dtype, per-layer cache shape) -> flat cache indices of ``slots`` (K, V), made by the
     # group's first layer and reused by the others
     flat_index: dict = field(default_factory=dict)
@@ -286,7 +288,7 @@ class DDTreeCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             table = torch.tensor([(r, start, m, seq_lens[r]) for r, start, m in requests])
             info = TreeAttentionInfo(*ops.tree_attention_info(
                 table, verify.tree.ancestor_mask, meta.block_table,
-                self.kv_cache_spec.block_size))
+                self.kv_cache_spec.block_size), ops=ops)
         else:
             info = tree_attention_info(verify.tree.dense_mask(), requests, seq_lens,
                                        meta.block_table, self.kv_cache_spec.block_size)
@@ -300,6 +302,10 @@ class DDTreeCPUMetadataBuilder(CPUAttentionMetadataBuilder):
 
 
 class DDTreeCPUImpl(CPUAttentionBackendImpl):
+    # the layer's K/V cache and its CPUKVLayout (the fused path reads it every verify step)
+    _ddtree_cache: torch.Tensor | None = None
+    _ddtree_layout: CPUKVLayout | None = None
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         # vLLM's K/V update (do_kv_cache_update, before this) has written the step's K/V, the
@@ -314,9 +320,12 @@ class DDTreeCPUImpl(CPUAttentionBackendImpl):
             return output
         head_dim = kv_cache.shape[3] // 2
         out = output.view(output.shape[0], -1, head_dim)
-        ops = cpu_ops(kv_cache.device)
+        ops = info.ops
         if ops is not None:  # the fused CPU kernel: the node rows read the paged cache in place
-            layout = cpu_kv_layout(kv_cache, layer.isa)
+            if self._ddtree_cache is not kv_cache:  # the layer's cache, bound once
+                self._ddtree_layout = cpu_kv_layout(kv_cache, layer.isa)
+                self._ddtree_cache = kv_cache
+            layout = self._ddtree_layout
             ops.tree_attention_(out, query.view(query.shape[0], -1, head_dim), layout.flat,
                                 layout.offsets, layout.slot_stride, info.rows, info.valid,
                                 info.slots, info.mask, self.scale,
