@@ -602,8 +602,6 @@ def _wrap_prepare_inputs(original):
                 result = original(self, scheduler_output, num_scheduled_tokens)
             finally:
                 self.speculative_config = spec_config
-        import torch
-
         _, spec_decode_metadata, _ = result
         if scheduler_output.finished_req_ids:  # the only requests vLLM's runner forgets
             state.forget_finished(self.requests)  # finished and aborted requests
