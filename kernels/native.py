@@ -30,13 +30,13 @@ _lock = threading.Lock()
 _state: dict = {}  # "ops": the namespace once loaded, "error": the build failure
 
 
+_OFF = frozenset(("0", "false", "False"))  # the values of VLLM_DDTREE_NATIVE that disable
+
+
 def enabled() -> bool:
     """False when ``VLLM_DDTREE_NATIVE=0``: every stage takes its torch path (on the CPU, and on
     CUDA instead of the Triton stages of ``verify_steps``)."""
     return os.environ.get("VLLM_DDTREE_NATIVE", "1") not in _OFF
-
-
-_OFF = frozenset(("0", "false", "False"))
 
 
 def _load():
@@ -72,8 +72,8 @@ def cpu_ops(device: torch.device | str):
     """``torch.ops.ddtree`` for tensors on ``device`` when it is the CPU and the fused kernels
     are enabled and built (building them on first use); else None.
 
-    Called in every verify-step stage: a ``torch.device`` is read, not rebuilt (inside an
-    engine step each call took ~12 us, ~13 calls a step, half of it ``torch.device(device)``).
+    Called by several stages of every verify step, so a ``torch.device`` is read, not rebuilt:
+    inside an engine step a call took ~12 us, half of it ``torch.device(device)``.
     """
     kind = device.type if isinstance(device, torch.device) else torch.device(device).type
     if kind != "cpu" or not enabled():

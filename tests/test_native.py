@@ -791,6 +791,50 @@ def test_tree_attention_equals_the_torch_twin(native, isa, dtype, bs, nkv, d, gr
     assert bool((out[untouched] == 7.0).all())
 
 
+def test_an_attention_layer_reads_the_cache_it_is_given(native):
+    """The backend's attention layer keeps the K/V layout of its cache between steps: given
+    another cache tensor (same shape, other contents), it reads that one. Oracle: the torch
+    twin over each cache's own gathers."""
+    from vllm_ddtree.plugin.cpu_attention import (
+        DDTreeCPUImpl, TreeAttentionInfo, _write_with_vllm, cpu_kv_layout, tree_attention_info,
+        tree_rows_attention)
+
+    bs, nkv, d, heads, budget = 16, 2, 32, 4, 8
+    gen = torch.Generator().manual_seed(5)
+    num_draft, ctx = [5, 3], [20, 9]
+    tree = build_tree(torch.randn(2, 4, 50, generator=gen), torch.tensor(num_draft),
+                      max_budget=budget)
+    seq_lens = [c + m + 1 for c, m in zip(ctx, num_draft)]
+    block_table = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32) + 1  # block 0: null
+    slots = torch.cat([block_table[r, p // bs].long() * bs + p % bs
+                       for r, p in enumerate(torch.arange(n) for n in seq_lens)])
+    requests = [(0, 0, 5), (1, 6, 3)]
+    num_rows = 10
+    caches = []
+    for _ in range(2):
+        k, v = (torch.randn(sum(seq_lens), nkv, d, generator=gen) for _ in range(2))
+        caches.append(_write_with_vllm("vec", torch.float32, 6, bs, nkv, d, k, v, slots))
+    q = torch.randn(num_rows, heads, d, generator=gen)
+    twin = tree_attention_info(tree.dense_mask(), requests, seq_lens, block_table, bs)
+    table = torch.tensor([(r, start, m, seq_lens[r]) for r, start, m in requests])
+    info = TreeAttentionInfo(*native.ops.tree_attention_info(table, tree.ancestor_mask,
+                                                            block_table, bs),
+                             covers_all=True, ops=native.ops)
+    impl = DDTreeCPUImpl.__new__(DDTreeCPUImpl)
+    impl.scale = 0.3
+    layer = SimpleNamespace(isa="vec")
+    for cache in (caches[0], caches[1], caches[0]):
+        output = torch.zeros(num_rows, heads * d)
+        impl.forward(layer, q.view(num_rows, -1), None, None, cache,
+                     SimpleNamespace(ddtree=info), output)
+        k_index, v_index = cpu_kv_layout(cache, "vec").index(twin.slots)
+        flat = cache.view(-1)
+        want = tree_rows_attention(q[twin.rows], flat[k_index], flat[v_index], twin.mask, 0.3,
+                                   "vec")
+        got = output.view(num_rows, heads, d)[twin.rows[twin.valid]]
+        torch.testing.assert_close(got, want[twin.valid], atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("versus_plain", [True, False])
 def test_auto_budget_function_equals_the_torch_path(native, versus_plain):
     """auto's budget function (calibrated gains, global ranking, the cost model's best k, the
