@@ -22,6 +22,7 @@ from vllm_ddtree.plugin.policy import (
     REMEASURE_AFTER,
     BudgetController,
     MeasuredRate,
+    critical_tokens,
 )
 
 
@@ -445,3 +446,24 @@ def test_long_pauses_go_cold_until_warm_up_steps_before_the_probe():
         other = BudgetController(DDTreeOptions(budget=16, depth=7, budget_policy=policy_),
                                  torch.device("cpu"))
         assert other.keeps_context(1) and other.keeps_context(64)
+
+
+def test_a_verify_step_is_worth_what_it_did_for_the_critical_request():
+    """critical_tokens: the batch's size times the tokens of the request with the most tokens
+    left before the step (ties share their mean). Worked by hand: a wave of 4 requests with
+    64 tokens left each emitting [4, 1, 2, 5] is worth 4 x 3 = 12 tokens (all tied: the
+    total); the next step, [1, 3, 2, 1] from 60 / 63 / 62 / 59 left, is worth 4 x 3 = 12
+    where the batch emitted 7: the request furthest behind set the wave's end. In a steady
+    state the newest request (most left) is critical; one request is worth its own tokens; a
+    step of one token each is worth the batch's tokens."""
+    def worth(emitted, before):
+        return critical_tokens(emitted, [b - e for b, e in zip(before, emitted)])
+
+    assert worth([4, 1, 2, 5], [64] * 4) == 12.0 == sum([4, 1, 2, 5])
+    assert worth([1, 3, 2, 1], [60, 63, 62, 59]) == 12.0
+    assert worth([1, 3, 2, 1], [63, 63, 62, 59]) == 8.0  # two tied: the mean of 1 and 3, x 4
+    assert worth([2, 4, 3], [10, 50, 30]) == 12.0  # steady: the newest, 4 tokens, x 3
+    assert worth([3], [17]) == 3.0
+    assert worth([1] * 8, [9, 5, 64, 2, 2, 7, 30, 11]) == 8.0
+    # a request that finishes in this step is critical only if no other had more left
+    assert worth([5, 1], [5, 6]) == 2.0 and worth([5, 1], [5, 4]) == 10.0

@@ -380,3 +380,46 @@ def test_auto_counts_the_grammar_cost_of_structured_requests(synthetic_auto, mon
     assert max(drafts(0.0, True)) > 1 and max(drafts(0.0, True)) <= depth
     assert drafts(1.0, True) and not any(drafts(1.0, True))
     assert max(drafts(0.0, False)) > depth and max(drafts(1.0, False)) > depth
+
+
+def test_auto_measures_a_verify_step_by_its_critical_request(synthetic_auto, monkeypatch):
+    """What auto's rates count for a step (``tokens_emitted``): for a verify step, the batch's
+    size times the tokens of the request that had the most tokens left before it (ties share
+    their mean); for other steps every token. Oracle: each request's tokens so far, counted
+    here from the runner's outputs, and its ``max_tokens`` (requests of 12, 20, 20 and 40
+    tokens, so the critical request changes as they go)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    use, _ = synthetic_auto
+    use(FREE_COST)  # every node pays: verify steps throughout
+    seen = []
+    monkeypatch.setattr(BudgetController, "tokens_emitted", lambda self, n: seen.append(n))
+    llm = make_llm(ddtree_spec(8, ddtree_budget_policy="auto"), **ENGINE)
+    done, expected, totals = {}, [], []
+    sample_tokens = GPUModelRunner.sample_tokens  # the plugin's wrapper
+
+    def recording(self, *args, **kwargs):
+        drafted = any(self.ddtree_state.last_num_draft)
+        left = {r: s.sampling_params.max_tokens - done.get(r, 0) for r, s in self.requests.items()}
+        output = sample_tokens(self, *args, **kwargs)
+        emitted = [len(ids) for ids in output.sampled_token_ids]
+        before = [left[r] for r in output.req_ids]
+        for r, n in zip(output.req_ids, emitted):
+            done[r] = done.get(r, 0) + n
+        totals.append(sum(emitted))
+        if drafted:
+            most = max(before)
+            tied = [n for b, n in zip(before, emitted) if b == most]
+            expected.append(len(emitted) * sum(tied) / len(tied))
+        else:
+            expected.append(sum(emitted))
+        return output
+
+    monkeypatch.setattr(GPUModelRunner, "sample_tokens", recording)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in (12, 20, 20, 40)]
+    outputs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [12, 20, 20, 40]
+    assert seen == pytest.approx(expected), (seen, expected)
+    assert any(e != t for e, t in zip(expected, totals))  # the critical request set the value
+    close(llm)

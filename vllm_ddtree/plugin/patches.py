@@ -744,7 +744,17 @@ def _wrap_sample_tokens(original):
         sampled = getattr(output, "sampled_token_ids", None)
         # async scheduling is refused, so the ids are a list; only auto measures its steps
         if state is not None and state.budgets.name == "auto" and isinstance(sampled, list):
-            state.budgets.tokens_emitted(sum(map(len, sampled)))
+            if any(state.last_num_draft):  # a verify step: what it did for the critical request
+                from vllm_ddtree.plugin.policy import critical_tokens
+                from vllm_ddtree.plugin.state import tokens_left
+
+                # (the runner has added this step's tokens to its requests' outputs)
+                requests = [self.requests.get(req_id) for req_id in output.req_ids]
+                state.budgets.tokens_emitted(critical_tokens(
+                    [len(ids) for ids, r in zip(sampled, requests) if r is not None],
+                    [tokens_left(r, self.max_model_len) for r in requests if r is not None]))
+            else:
+                state.budgets.tokens_emitted(sum(map(len, sampled)))
         return output
 
     return sample_tokens

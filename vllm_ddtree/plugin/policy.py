@@ -60,7 +60,11 @@ Measured rates: the model sizes the trees, but whether drafting pays at all is a
 against what the engine actually got. Per batch bucket, decode steps that verified drafts
 ("drafting" steps) and steps that neither verified nor drafted ("plain" steps) each keep
 running averages (weight ``MEASURED_EMA``) of their wall time and of the tokens they emitted
-(vLLM's own host copy of the sampled tokens: no extra synchronisation). A step that verifies
+(vLLM's own host copy of the sampled tokens: no extra synchronisation), a verify step's
+tokens counted along the batch's critical request (:func:`critical_tokens`: the batch's size
+times the tokens of the request with the most left; trees move requests unevenly, and a batch
+that nothing refills is done when that request is, so per-step totals overrated drafting at 8
+and 32 requests in waves on the CPU, docs/measurements.md). A step that verifies
 drafts but does not draft again (a probe answered "no") counts as drafting, with the model's
 drafter time added, so every probe refreshes the drafting rate and a drafter that became
 faster than plain decoding is found again. Once both kinds have ``MIN_MEASURED`` steps, the
@@ -115,6 +119,26 @@ MAX_REMEASURE = 1024  # the longest interval between two re-measurements of plai
 RESUME_EMA = 0.5  # weight of each drafting run's first step in a bucket's resume cost
 WARM_UP = 32  # steps before a probe from which a paused drafter keeps its context again
 LOG_INTERVAL_S = 10.0  # the periodic log line (vLLM's stats interval)
+
+
+def critical_tokens(emitted: list[int], left: list[int]) -> float:
+    """The tokens a verify step is worth to the measured rates: the batch's size times the
+    tokens of its critical request, the one that had the most tokens left before the step
+    (``left[r] + emitted[r]``, ``left``: what each request may still emit after it; requests
+    tied for the most share the mean of their tokens).
+
+    Trees move requests unevenly. Where nothing replaces the requests that finish (a batch
+    submitted together), the batch is done when its critical request is, and the steps after
+    the others have finished run a few requests at a step's cost; all the tokens a step
+    emitted would overrate it. In a server's steady state the critical request is the newest,
+    whose acceptance is like any other's; at one request it is the request itself. Example:
+    a wave in step, both requests with 10 tokens left, emitting 4 and 2: worth 2 x 3 = 6
+    tokens; a step later with 6 and 8 left, emitting 1 and 3: the second is critical, 2 x 3.
+    """
+    before = [n + e for n, e in zip(left, emitted)]
+    most = max(before, default=0)
+    tied = [e for b, e in zip(before, emitted) if b == most]
+    return len(emitted) * sum(tied) / max(len(tied), 1)
 
 
 def has_structured_outputs(request) -> bool:
@@ -417,8 +441,9 @@ class BudgetController:
             sampled = torch.zeros_like(matched)
         self.calibration.observe(tree.scores, tree.depths, accepted_nodes, matched, sampled)
 
-    def tokens_emitted(self, num_tokens: int) -> None:
-        """The tokens the step in flight emitted, all requests together (from vLLM's host
+    def tokens_emitted(self, num_tokens: float) -> None:
+        """What the step in flight emitted, in tokens for the whole batch: all requests'
+        tokens, or for a step that verified drafts :func:`critical_tokens` (from vLLM's host
         copy of the sampled tokens)."""
         self._emitted = num_tokens
 

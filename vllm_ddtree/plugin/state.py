@@ -127,6 +127,16 @@ def best_path(parents: list[int], max_depth: int) -> list[int]:
     return path
 
 
+def tokens_left(request, max_model_len: int) -> int:
+    """How many more tokens a runner request (vLLM's ``CachedRequestState``) may emit: its
+    ``max_tokens`` less its outputs, and at most up to ``max_model_len``."""
+    left = max_model_len - request.num_tokens
+    max_tokens = getattr(request.sampling_params, "max_tokens", None)
+    if max_tokens is not None:
+        left = min(left, max_tokens - len(request.output_token_ids))
+    return left
+
+
 def renumbered_parents(parents: list[int], kept: list[int]) -> list[int]:
     """The parents of the kept nodes (a subtree: a kept node's ancestors are kept), as indices
     into ``kept``. Example: parents [-1, 0, -1, 2] keeping [0, 2, 3] -> [-1, -1, 1]."""
@@ -541,11 +551,7 @@ class TreeState:
         :meth:`clip_drafts`); L for a request the runner does not know."""
         if request is None:
             return self.depth
-        useful = max_model_len - request.num_tokens - 1
-        max_tokens = getattr(request.sampling_params, "max_tokens", None)
-        if max_tokens is not None:
-            useful = min(useful, max_tokens - len(request.output_token_ids) - 1)
-        return useful
+        return tokens_left(request, max_model_len) - 1
 
     def _reindex_proposals(self, kept: dict[str, list[int]]) -> None:
         """Request r's proposal keeps nodes ``kept[r]`` (in order) as its first nodes, the rest
