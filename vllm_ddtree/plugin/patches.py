@@ -72,7 +72,8 @@ from vllm_ddtree.plugin.options import (
     resolve_depth,
     split_speculative_config,
 )
-from vllm_ddtree.plugin.state import renumbered_parents
+from vllm_ddtree.plugin.policy import critical_tokens
+from vllm_ddtree.plugin.state import renumbered_parents, tokens_left
 
 _installed = False
 _GRAMMAR_STRIDE = False  # vLLM >= 0.33 lays the bitmask out in fixed blocks per request
@@ -745,9 +746,6 @@ def _wrap_sample_tokens(original):
         # async scheduling is refused, so the ids are a list; only auto measures its steps
         if state is not None and state.budgets.name == "auto" and isinstance(sampled, list):
             if any(state.last_num_draft):  # a verify step: what it did for the critical request
-                from vllm_ddtree.plugin.policy import critical_tokens
-                from vllm_ddtree.plugin.state import tokens_left
-
                 # (the runner has added this step's tokens to its requests' outputs)
                 requests = [self.requests.get(req_id) for req_id in output.req_ids]
                 state.budgets.tokens_emitted(critical_tokens(
