@@ -916,9 +916,6 @@ def run_job(job: dict, st: Settings, pairs: dict, out_path: Path, skip_hooks: di
     result["engine_args"] = {k: v for k, v in args.items() if k != "model"}
     save()  # a worker killed during start-up still leaves "starting" behind
     t0 = time.perf_counter()
-    # the imports' objects out of the model loader's full gc.collect() passes (~0.6 s each on the
-    # CPU, two per model); vLLM freezes the heap itself at the end of its start-up
-    gc.freeze()
     try:
         llm = LLM(**args)
     except Exception as exc:

@@ -39,10 +39,12 @@ def make_llm(speculative_config=None, **kwargs):
     from vllm import LLM
 
     # vLLM's model loader runs a full gc.collect() after loading each model (target and drafter:
-    # ~4 passes over the heap an engine start, ~0.6-0.9 s each here), and the heap is mostly the
-    # ~650k objects the imports of vLLM, torch and transformers made. Frozen, the passes skip
-    # them (an engine start in the test process goes from ~5.7 s to ~2 s); vLLM freezes the
-    # heap itself at the end of its start-up and unfreezes it at shutdown (``close``).
+    # ~4 passes over the heap an engine start, ~0.6-1 s each in a test process), and the heap
+    # is mostly the ~650k objects the imports of vLLM, torch and transformers made. Frozen, the
+    # passes skip them; vLLM freezes the heap itself at the end of its start-up and unfreezes it
+    # at shutdown (``close``). One pass first: the garbage of an engine closed before (its
+    # reference cycles) must be collected, not frozen with the rest (its K/V cache would stay).
+    gc.collect()
     gc.freeze()
 
     args = dict(
