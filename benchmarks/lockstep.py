@@ -14,7 +14,8 @@ next step alike, and the ratios of the summed step times resolve well under 1 %.
 Each engine runs the same ``--waves`` waves of ``--concurrency`` requests (the held-out prompts
 of ``budget_policy.py``, ``--max-tokens`` tokens each, greedy); a wave is submitted when the
 engine's previous one has finished, so prefills count as in ``budget_policy.py``'s waves.
-tokens/s = output tokens / the engine's summed step times. With ``--decode-steps N`` each
+tokens/s = output tokens / the engine's summed step times (``first_step_seconds``: the part
+spent in each wave's first step, its prefill). With ``--decode-steps N`` each
 engine instead holds ``--concurrency`` long requests and N decode steps are timed (no prefill):
 the cost of a decode step alone, as median and mean.
 
@@ -131,7 +132,9 @@ def run_waves(engines: dict, prompts: list[dict], args) -> dict:
     c = args.concurrency
     waves = [[prompts[(w * c + j) % len(prompts)] for j in range(c)] for w in range(args.waves)]
     done = {name: 0 for name in engines}  # waves submitted
-    stats = {name: {"seconds": 0.0, "steps": 0, "tokens": 0} for name in engines}
+    stats = {name: {"seconds": 0.0, "steps": 0, "tokens": 0, "first_step_seconds": 0.0}
+             for name in engines}
+    fresh = {name: True for name in engines}  # the engine's next step is a wave's first
     for name, llm in engines.items():
         submit(llm, waves[0], args.max_tokens)
         done[name] = 1
@@ -144,11 +147,15 @@ def run_waves(engines: dict, prompts: list[dict], args) -> dict:
             seconds, outputs = timed_step(name, engines[name])
             stats[name]["seconds"] += seconds
             stats[name]["steps"] += 1
+            if fresh[name]:
+                stats[name]["first_step_seconds"] += seconds
+                fresh[name] = False
             stats[name]["tokens"] += sum(len(o.outputs[0].token_ids) for o in outputs
                                          if o.finished)
             if not engine.has_unfinished_requests() and done[name] < args.waves:
                 submit(engines[name], waves[done[name]], args.max_tokens)
                 done[name] += 1
+                fresh[name] = True
         turn += 1
     for s in stats.values():
         assert s["tokens"] == args.waves * c * args.max_tokens, s
