@@ -1,18 +1,20 @@
 #!/usr/bin/env python
-"""Where a paused drafter's step goes: the plugin's own host work per step, timed in place.
+"""Where a paused drafter's step goes, block by block, against plain decoding's same blocks.
 
-Starts one ddtree engine with ``"auto"`` budgets kept cold (its first "do not draft" answer
-pauses it for good, so every decode step after the first few is a cold step: the steady state
-of a drafter that does not pay) and runs waves of c requests on it. Per-method timers wrap the
-plugin's patches of vLLM's runner (each patch's own work = its time minus the time of the vLLM
-method it wraps) and the plugin methods they call, so the numbers are the costs inside the
-running engine, cache misses and all (several times a micro-benchmark's on the CPU). Prints
-microseconds per step; compare with the step time it also prints, and with plain decoding's
-(``benchmarks/budget_policy.py``).
+Starts plain decoding and ``ddtree_cold`` (auto whose first "do not draft" answer pauses it for
+good: every step after it is a cold one, the steady state of a drafter that does not pay;
+``lockstep.py``) and runs the same waves of c requests on both in lockstep, one engine step
+each in turn. Timers wrap the engine's blocks (the scheduler's ``schedule`` and
+``update_from_output``, the runner's ``_prepare_inputs``, forward, ``_sample``,
+``sample_tokens``, the drafter hand-off) and the plugin's methods inside them; each is keyed by
+the engine whose step is running, so both engines' blocks are timed in place, cache misses and
+all (several times a micro-benchmark's on the CPU). ``own`` rows are a plugin patch's time less
+the vLLM method it wraps. Prints microseconds per step for both engines and their difference,
+with the wave's first step (the prefill) apart from the decode steps.
 
 Usage::
 
-    .venv/bin/python benchmarks/step_overhead.py --concurrency 32
+    .venv/bin/python benchmarks/step_overhead.py --concurrency 8 --waves 32
 """
 
 from __future__ import annotations
@@ -23,96 +25,143 @@ import os
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# budget_policy first: launches drops this directory from sys.path (see stage_times.py)
+import budget_policy  # noqa: E402
+import lockstep  # noqa: E402
 
-PATCHED = ["_prepare_inputs", "_sample", "sample_tokens", "propose_draft_token_ids",
-           "take_draft_token_ids", "_input_fits_in_drafter"]
+# (owner's import path, attribute): vLLM's blocks of an engine step
+VLLM_BLOCKS = [
+    ("vllm.v1.core.sched.scheduler.Scheduler", "schedule"),
+    ("vllm.v1.core.sched.scheduler.Scheduler", "update_from_output"),
+    ("vllm.v1.worker.gpu_model_runner.GPUModelRunner", "_prepare_inputs"),
+    ("vllm.v1.worker.gpu_model_runner.GPUModelRunner", "_model_forward"),
+    ("vllm.v1.worker.gpu_model_runner.GPUModelRunner", "_sample"),
+    ("vllm.v1.worker.gpu_model_runner.GPUModelRunner", "sample_tokens"),
+    ("vllm.v1.worker.gpu_model_runner.GPUModelRunner", "propose_draft_token_ids"),
+    ("vllm.v1.worker.gpu_model_runner.GPUModelRunner", "take_draft_token_ids"),
+    ("vllm.v1.engine.output_processor.OutputProcessor", "process_outputs"),
+]
+# the plugin's patches whose own work is their time less the vLLM method they wrap
+OWN = ["schedule", "_prepare_inputs", "propose_draft_token_ids"]
+PLUGIN_METHODS = [
+    ("vllm_ddtree.plugin.state.TreeState", ["plan_step", "went_cold", "no_drafts"]),
+    ("vllm_ddtree.plugin.policy.BudgetController", ["step_started"]),
+    ("vllm_ddtree.plugin.proposer.DDTreeProposer", ["skip_context", "flush_context"]),
+]
 
 
-def timing(func, key: str, totals: collections.Counter, calls: collections.Counter):
-    """``func`` with its wall time added to ``totals[key]`` and its calls to ``calls[key]``."""
-    def timed(*args, **kwargs):
-        start = time.perf_counter_ns()
-        try:
-            return func(*args, **kwargs)
-        finally:
-            totals[key] += time.perf_counter_ns() - start
-            calls[key] += 1
+class Timers:
+    """Seconds per (engine, key), split into the waves' first steps and the others."""
 
-    return timed
+    def __init__(self):
+        self.seconds = collections.Counter()
+        self.first_step = False  # whether the running step is a wave's first
+
+    def wrap(self, func, key: str):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return func(*args, **kwargs)
+            finally:
+                part = "first" if self.first_step else "decode"
+                self.seconds[(lockstep.CLOCKS.active, key, part)] += time.perf_counter() - start
+
+        return timed
 
 
-def time_method(owner, name: str, totals: collections.Counter,
-                calls: collections.Counter) -> None:
-    """Replace ``owner.name`` by a timed copy (key: ``name``)."""
-    setattr(owner, name, timing(getattr(owner, name), name, totals, calls))
+def owner_of(path: str):
+    import importlib
+
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
 
 
-def time_wrapped_original(patch, name: str, totals: collections.Counter,
-                          calls: collections.Counter) -> None:
-    """Time the vLLM method a plugin patch wraps (its ``original``, a closure variable; key:
-    ``"vllm " + name``)."""
-    cell = patch.__closure__[patch.__code__.co_freevars.index("original")]
-    cell.cell_contents = timing(cell.cell_contents, "vllm " + name, totals, calls)
+def install(timers: Timers) -> None:
+    """Timed copies of every block and plugin method (installed after the engines started:
+    the plugin's version check reads vLLM's methods at start-up)."""
+    for path, name in VLLM_BLOCKS:
+        owner = owner_of(path)
+        patch = getattr(owner, name)
+        if name in OWN:  # the vLLM method the plugin's patch wraps (a closure variable)
+            cell = patch.__closure__[patch.__code__.co_freevars.index("original")]
+            cell.cell_contents = timers.wrap(cell.cell_contents, "vllm " + name)
+        setattr(owner, name, timers.wrap(patch, name))
+    for path, names in PLUGIN_METHODS:
+        owner = owner_of(path)
+        for name in names:
+            setattr(owner, name, timers.wrap(getattr(owner, name), "ddtree " + name))
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--waves", type=int, default=6, help="timed waves of c requests")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--waves", type=int, default=32, help="timed waves of c requests")
     p.add_argument("--max-tokens", type=int, default=64)
     args = p.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the runner in this process
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import vllm_ddtree.plugin.patches as patches
 
-    import budget_policy
-    import vllm.v1.worker.gpu_model_runner as runner_module
+    patches.time = lockstep.CLOCKS  # auto's stamps: each engine's own clock
+    lockstep.keep_cold()
+    ls = argparse.Namespace(concurrency=args.concurrency, waves=args.waves,
+                            max_tokens=args.max_tokens, decode_steps=0, max_model_len=512,
+                            budgets=[16], tree_temperature=0.85, only=["plain", "ddtree_cold"])
+    configs = lockstep.configurations(ls)
+    bench = budget_policy.parse_args(["--concurrency", str(args.concurrency)])
+    engines = {name: budget_policy.start_engine(bench, spec, len(configs))
+               for name, spec in configs}
+    prompts = budget_policy.prompts_for(bench, 4 * args.concurrency)
     from vllm import SamplingParams
 
-    import vllm_ddtree.plugin.policy as policy
-    from vllm_ddtree.plugin.proposer import DDTreeProposer
-    from vllm_ddtree.plugin.state import TreeState
+    warm = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    for llm in engines.values():  # first-call paths; ddtree_cold answers and pauses for good
+        for _ in range(2):
+            llm.generate(prompts[: args.concurrency], warm, use_tqdm=False)
+    timers = Timers()
+    install(timers)
+    steps = collections.Counter()
+    step = lockstep.timed_step
 
-    policy.FIRST_PAUSE = policy.MAX_PAUSE = 10**9  # one pause, for good: cold steps
-    totals, calls = collections.Counter(), collections.Counter()
-    for owner, names in ((TreeState, ["plan_step", "forget_finished", "went_cold",
-                                      "no_drafts"]),
-                         (policy.BudgetController, ["step_started"]),
-                         (DDTreeProposer, ["skip_context", "flush_context", "_step_slots"])):
-        for name in names:
-            time_method(owner, name, totals, calls)
-    bench = budget_policy.parse_args([])
-    spec = dict(budget_policy.configurations(bench, depth=0))["ddtree_auto"]
-    prompts = budget_policy.prompts_for(bench, args.concurrency)
-    llm = budget_policy.start_engine(bench, spec, 1)
-    cls = runner_module.GPUModelRunner
-    for name in PATCHED:
-        patch = getattr(cls, name)
-        time_wrapped_original(patch, name, totals, calls)
-        time_method(cls, name, totals, calls)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    for _ in range(2):  # warm-up, and the policy's first answers
-        llm.generate(prompts, params, use_tqdm=False)
-    totals.clear()
-    calls.clear()
-    start = time.perf_counter()
-    for _ in range(args.waves):
-        llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    steps = calls["_prepare_inputs"]
-    stats = budget_policy.ddtree_auto_stats(llm) or {}
-    print(f"{args.concurrency} requests, {steps} steps, {1e3 * seconds / steps:.3f} ms per step, "
-          f"drafter cold in {100 * stats.get('drafter_cold_fraction', 0):.0f}% of all steps")
-    print("own work of each patch (its time minus the vLLM method it wraps), us per step:")
-    for name in PATCHED:
-        own = totals[name] - totals["vllm " + name]
-        print(f"  {name:28s} {own / steps / 1e3:7.1f}")
-    print("plugin methods inside them (calls), us per step:")
-    for name in sorted(n for n in calls if n not in PATCHED and not n.startswith("vllm ")):
-        print(f"  {name:28s} {totals[name] / steps / 1e3:7.1f}  ({calls[name]})")
-    llm.llm_engine.engine_core.shutdown()
+    def timed_step(name, llm):  # a wave's first step: the engine holds no running request
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        timers.first_step = not scheduler.running
+        steps[(name, "first" if timers.first_step else "decode")] += 1
+        seconds, outputs = step(name, llm)
+        timers.seconds[(name, "engine step", "first" if timers.first_step else "decode")] \
+            += seconds
+        return seconds, outputs
+
+    lockstep.timed_step = timed_step
+    results = lockstep.run_waves(engines, prompts, ls)
+    cold = budget_policy.ddtree_auto_stats(engines["ddtree_cold"]) or {}
+    print(f"{args.concurrency} requests, {args.waves} waves of {args.max_tokens} tokens; "
+          f"ddtree_cold / plain throughput "
+          f"{results['ddtree_cold']['tokens_per_s'] / results['plain']['tokens_per_s']:.4f}; "
+          f"drafter cold in {100 * cold.get('drafter_cold_fraction', 0):.0f}% of its steps")
+    keys = ["engine step"] + [name for _, name in VLLM_BLOCKS] \
+        + ["own " + name for name in OWN] \
+        + ["ddtree " + n for _, names in PLUGIN_METHODS for n in names]
+    for part in ("decode", "first"):
+        n = steps[("plain", part)]
+        assert n == steps[("ddtree_cold", part)], steps
+        print(f"{part} steps ({n} each), us per step: plain, ddtree_cold, difference")
+        for key in keys:
+            def per_step(name):
+                s = timers.seconds
+                if key.startswith("own "):
+                    base = key[4:]
+                    total = s[(name, base, part)] - s[(name, "vllm " + base, part)]
+                else:
+                    total = s[(name, key, part)]
+                return 1e6 * total / max(n, 1)
+
+            a, b = per_step("plain"), per_step("ddtree_cold")
+            if a or b:
+                print(f"  {key:34s} {a:9.1f} {b:9.1f} {b - a:+8.1f}")
+    for llm in engines.values():
+        llm.llm_engine.engine_core.shutdown()
 
 
 if __name__ == "__main__":
