@@ -155,18 +155,37 @@ class DDTreeProposer(DFlashProposer):
             counts = [scheduler_output.num_scheduled_tokens[r] for r in req_ids]
             prompt = np.array([n > 1 + len(spec.get(r, ())) for r, n in zip(req_ids, counts)])
             is_prompt_row = np.repeat(prompt, counts)  # host indices: no device sync
-            rows, others = (torch.from_numpy(np.flatnonzero(m)).to(self.device)
-                            for m in (is_prompt_row, ~is_prompt_row))
-            hidden = torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)
-            if gather is not None:
-                hidden = hidden.index_select(0, gather)
-            # prompt rows are never depth-shifted: the runner's positions are chain positions
-            self._keep_context(hidden.index_select(0, rows),
-                               self._runner.positions[:num_tokens].index_select(0, rows),
-                               slots.index_select(0, rows))
-            state.went_cold([r for r, p in zip(req_ids, prompt) if not p],
-                            slots.index_select(0, others))
+            self._keep_prompt_rows(np.flatnonzero(is_prompt_row), aux_hidden_states, slots,
+                                   gather, num_tokens)
+            if not is_prompt_row.all():  # decode rows too
+                others = torch.from_numpy(np.flatnonzero(~is_prompt_row)).to(self.device)
+                state.went_cold([r for r, p in zip(req_ids, prompt) if not p],
+                                slots.index_select(0, others))
         state.budgets.went_cold()
+
+    def _keep_prompt_rows(self, rows: np.ndarray, aux_hidden_states: list[torch.Tensor],
+                          slots: torch.Tensor, gather: torch.Tensor | None,
+                          num_tokens: int) -> None:
+        """Keep the context of a cold step's prompt rows (``rows``: host indices into the
+        step's ``num_tokens`` rows) for the next pass. Prompt rows are never depth-shifted:
+        the runner's positions are chain positions."""
+        if not len(rows):
+            return
+        positions = self._runner.positions
+        first, end = int(rows[0]), int(rows[-1]) + 1
+        if gather is None and end - first == len(rows):
+            # one block of rows (a wave's prompts; new requests after the running ones, vLLM's
+            # order): slices, copied once (the aux outputs and both buffers are reused)
+            self._keep_context(torch.cat([h[first:end] for h in aux_hidden_states], dim=-1),
+                               positions[first:end].clone(), slots[first:end].clone())
+            return
+        index = torch.from_numpy(rows).to(self.device)
+        hidden = torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)
+        if gather is not None:
+            hidden = hidden.index_select(0, gather)
+        self._keep_context(hidden.index_select(0, index),
+                           positions[:num_tokens].index_select(0, index),
+                           slots.index_select(0, index))
 
     def _step_slots(self, num_tokens: int) -> torch.Tensor:
         """The drafter group's K/V slots of this step's ``num_tokens`` rows (a view)."""

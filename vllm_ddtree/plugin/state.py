@@ -241,6 +241,8 @@ class ProposalStore:
         self._buffers[name].index_copy_(0, slots, values)
 
     def drop(self, req_ids) -> None:
+        if not self._slot_of and not self.sent:  # nothing held (a paused drafter's steps)
+            return
         for req_id in req_ids:
             self.sent.pop(req_id, None)
             slot = self._slot_of.pop(req_id, None)
