@@ -31,12 +31,20 @@ _state: dict = {}  # "ops": the namespace once loaded, "error": the build failur
 
 
 _OFF = frozenset(("0", "false", "False"))  # the values of VLLM_DDTREE_NATIVE that disable
+# os.environ's own store, read without its mapping layer: ``os.environ.get`` of an unset
+# variable raises and catches a KeyError, ~5 us inside an engine step, and a verify step asks
+# ~9 times (tests switch the variable between calls, so it is read every time, not cached)
+_ENV = getattr(os.environ, "_data", None)
+_KEY = os.environ.encodekey("VLLM_DDTREE_NATIVE") if _ENV is not None else None
+_OFF_STORED = frozenset(os.environ.encodevalue(v) for v in _OFF) if _ENV is not None else _OFF
 
 
 def enabled() -> bool:
     """False when ``VLLM_DDTREE_NATIVE=0``: every stage takes its torch path (on the CPU, and on
     CUDA instead of the Triton stages of ``verify_steps``)."""
-    return os.environ.get("VLLM_DDTREE_NATIVE", "1") not in _OFF
+    if _ENV is None:  # not CPython's os._Environ
+        return os.environ.get("VLLM_DDTREE_NATIVE", "1") not in _OFF
+    return _ENV.get(_KEY) not in _OFF_STORED
 
 
 def _load():
