@@ -189,6 +189,28 @@ def run_decode(engines: dict, prompts: list[dict], args) -> dict:
                    "steps": len(t)} for name, t in times.items()}
 
 
+def start_warm(configs: list[tuple[str, dict | None]], args) -> tuple[dict, list[dict]]:
+    """Every configuration's engine (by name) on its own clock, warmed up with two waves (the
+    first-call paths; ddtree_cold answers and pauses for good), and the prompts of the waves."""
+    import vllm_ddtree.plugin.patches as patches
+
+    patches.time = CLOCKS  # the scheduler's stamps: each engine's own clock
+    if any(name == "ddtree_cold" for name, _ in configs):
+        keep_cold()
+    bench = budget_policy.parse_args(["--concurrency", str(args.concurrency),
+                                      "--max-model-len", str(args.max_model_len)])
+    engines = {name: budget_policy.start_engine(bench, spec, len(configs))
+               for name, spec in configs}
+    prompts = budget_policy.prompts_for(bench, 4 * args.concurrency)
+    from vllm import SamplingParams
+
+    warm = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    for llm in engines.values():
+        for _ in range(2):
+            llm.generate(prompts[: args.concurrency], warm, use_tqdm=False)
+    return engines, prompts
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--concurrency", type=int, default=32)
@@ -206,22 +228,7 @@ def main(argv=None) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     configs = configurations(args)
-    import vllm_ddtree.plugin.patches as patches
-
-    patches.time = CLOCKS  # the scheduler's stamps: each engine's own clock
-    if any(name == "ddtree_cold" for name, _ in configs):
-        keep_cold()
-    bench = budget_policy.parse_args(["--concurrency", str(args.concurrency),
-                                      "--max-model-len", str(args.max_model_len)])
-    engines = {name: budget_policy.start_engine(bench, spec, len(configs))
-               for name, spec in configs}
-    prompts = budget_policy.prompts_for(bench, 4 * args.concurrency)
-    from vllm import SamplingParams
-
-    warm = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    for llm in engines.values():  # first-call paths; ddtree_cold answers and pauses for good
-        for _ in range(2):
-            llm.generate(prompts[: args.concurrency], warm, use_tqdm=False)
+    engines, prompts = start_warm(configs, args)
     results = (run_decode if args.decode_steps else run_waves)(engines, prompts, args)
     reference = configs[0][0]
     for name, llm in engines.items():

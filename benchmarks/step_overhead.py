@@ -101,24 +101,10 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the runner in this process
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import vllm_ddtree.plugin.patches as patches
-
-    patches.time = lockstep.CLOCKS  # auto's stamps: each engine's own clock
-    lockstep.keep_cold()
     ls = argparse.Namespace(concurrency=args.concurrency, waves=args.waves,
                             max_tokens=args.max_tokens, decode_steps=0, max_model_len=512,
                             budgets=[16], tree_temperature=0.85, only=["plain", "ddtree_cold"])
-    configs = lockstep.configurations(ls)
-    bench = budget_policy.parse_args(["--concurrency", str(args.concurrency)])
-    engines = {name: budget_policy.start_engine(bench, spec, len(configs))
-               for name, spec in configs}
-    prompts = budget_policy.prompts_for(bench, 4 * args.concurrency)
-    from vllm import SamplingParams
-
-    warm = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    for llm in engines.values():  # first-call paths; ddtree_cold answers and pauses for good
-        for _ in range(2):
-            llm.generate(prompts[: args.concurrency], warm, use_tqdm=False)
+    engines, prompts = lockstep.start_warm(lockstep.configurations(ls), ls)
     timers = Timers()
     install(timers)
     steps = collections.Counter()
