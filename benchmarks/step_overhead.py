@@ -107,20 +107,19 @@ def main(argv=None) -> None:
     engines, prompts = lockstep.start_warm(lockstep.configurations(ls), ls)
     timers = Timers()
     install(timers)
-    steps = collections.Counter()
     step = lockstep.timed_step
 
     def timed_step(name, llm):  # a wave's first step: the engine holds no running request
-        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-        timers.first_step = not scheduler.running
-        steps[(name, "first" if timers.first_step else "decode")] += 1
-        seconds, outputs = step(name, llm)
-        timers.seconds[(name, "engine step", "first" if timers.first_step else "decode")] \
-            += seconds
-        return seconds, outputs
+        timers.first_step = not llm.llm_engine.engine_core.engine_core.scheduler.running
+        return step(name, llm)
 
     lockstep.timed_step = timed_step
     results = lockstep.run_waves(engines, prompts, ls)
+    for name, r in results.items():  # lockstep's own split of the step times
+        timers.seconds[(name, "engine step", "first")] = r["first_step_seconds"]
+        timers.seconds[(name, "engine step", "decode")] = r["seconds"] - r["first_step_seconds"]
+    steps = {"first": args.waves, "decode": results["plain"]["steps"] - args.waves}
+    assert results["plain"]["steps"] == results["ddtree_cold"]["steps"], results
     cold = budget_policy.ddtree_auto_stats(engines["ddtree_cold"]) or {}
     print(f"{args.concurrency} requests, {args.waves} waves of {args.max_tokens} tokens; "
           f"ddtree_cold / plain throughput "
@@ -130,8 +129,7 @@ def main(argv=None) -> None:
         + ["own " + name for name in OWN] \
         + ["ddtree " + n for _, names in PLUGIN_METHODS for n in names]
     for part in ("decode", "first"):
-        n = steps[("plain", part)]
-        assert n == steps[("ddtree_cold", part)], steps
+        n = steps[part]
         print(f"{part} steps ({n} each), us per step: plain, ddtree_cold, difference")
         for key in keys:
             def per_step(name):
