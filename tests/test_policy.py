@@ -273,6 +273,30 @@ def test_resuming_is_measured_from_the_first_step_of_each_drafting_run():
     assert engine.ctl.resume_s.get(1, 0.0) == 0.0
 
 
+def test_a_bad_spell_of_a_drafter_that_pays_in_the_long_run_keeps_the_doubling_pauses():
+    """At one request every prompt has its own acceptance. A drafter that pays on the bucket's
+    traffic (3 tokens in 10 ms against plain decoding's 1 in 5 ms) meets a stretch it drafts
+    badly (1.2 tokens in 16 ms: drafting loses 62.5 % there, a bad prompt). The probes answer
+    "no" while it lasts and the pauses double, 8, 16, 32: the loss that lengthens a pause is
+    priced by drafting's long-run rate, which still pays at first. Priced by the probe's own
+    steps, the second pause was already the loss-based one (6 x 16 ms x (0.625 / PROBE_LOSS - 1)
+    / 5 ms ~ 1180 steps, MAX_PAUSE), and the good stretch after it (the next prompts) was plain
+    decoded for hundreds of steps. As the bad stretch goes on, the long-run rate follows it and
+    the pauses lengthen by the loss; once drafting is good again, the next probe drafts."""
+    engine = Engine()
+    good = [engine.step(0.010, 3, 0.005) for _ in range(600)]
+    assert good[-1]  # drafting (its periodic re-measurements of plain decoding are over)
+    bad = [engine.step(0.016, 1.2, 0.005) for _ in range(150)]
+    runs = alternating_runs(bad)
+    pauses = [length for value, length in runs if not value]
+    assert pauses[:3] == [FIRST_PAUSE, 2 * FIRST_PAUSE, 4 * FIRST_PAUSE], runs
+    assert [length for value, length in runs[1:-1] if value] == [policy.PROBE_STEPS] * 3
+    assert pauses[3] > 8 * FIRST_PAUSE  # the long-run rate now loses: the loss lengthens it
+    after = [engine.step(0.010, 3, 0.005) for _ in range(200)]
+    runs = alternating_runs(after)
+    assert not runs[0][0] and runs[0][1] < MAX_PAUSE and runs[1] == (True, 200 - runs[0][1])
+
+
 def alternating_runs(ran: list[bool]) -> list[tuple[bool, int]]:
     """(value, length) of every run of equal values."""
     runs: list[tuple[bool, int]] = []

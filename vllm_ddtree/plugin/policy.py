@@ -31,7 +31,13 @@ bucket (R's power of two): a new regime of traffic gets its own answer. Once the
 decide (below), a probe drafts until ``MIN_MEASURED`` of its own verify steps are measured and
 answers with their rate alone (``_probing``); when a probe answers "no", the next pause is at
 least as long as keeps the measured loss of the probes under ``PROBE_LOSS`` of the time
-(``_pause_length``), what resuming the drafter costs included (``resume_s``, below): a drafter
+(``_pause_length``), what resuming the drafter costs included (``resume_s``, below). That loss
+is priced by drafting's long-run rate in the bucket (every measured drafting step, weight
+``LONG_RUN_EMA``, never restarted), not by the probe's own steps: the probe answered for the
+requests it met, the next probe meets the bucket's traffic. At one request a bad prompt
+answers "no" and the pauses double while it lasts, but a drafter that pays in the long run is
+not paused across the next prompts (pricing by the probe's steps paused one for 512 steps,
+eight prompts of 64 tokens, after one bad prompt on the tiny pair). A drafter
 that loses 11 % of the throughput while it drafts (auto's trees at 32 requests on the CPU)
 pauses for ~290 steps after its first probe; one that loses 2 % and costs nothing to resume
 still doubles from 8. ``PROBE_LOSS`` is 1 %: where drafting never pays, auto's floor (a step
@@ -109,6 +115,7 @@ PAUSE_AFTER = 2  # consecutive "do not draft" answers before the first pause of 
 ANSWER_EMA = 0.2  # weight of each answer in a bucket's running rate of "draft" answers
 OVERHEAD_EMA = 0.1  # weight of each new step-time observation in the online correction
 MEASURED_EMA = 0.1  # weight of each step in a bucket's measured drafting / plain rates
+LONG_RUN_EMA = 0.02  # weight of each drafting step in a bucket's long-run drafting rate
 MIN_MEASURED = 4  # steps of each kind before the measured rates can say "no"
 PROBE_STEPS = MIN_MEASURED + 2  # steps the drafter runs in a probe (one verifies nothing)
 PROBE_LOSS = 0.01  # the most of the time that probes of a measured-losing drafter may lose
@@ -152,17 +159,18 @@ def has_structured_outputs(request) -> bool:
 @dataclass
 class MeasuredRate:
     """Running averages of one kind of step's wall time and emitted tokens (a plain mean over
-    the first ``1 / MEASURED_EMA`` steps, then exponential)."""
+    the first ``1 / ema`` steps, then exponential)."""
 
     seconds: float = 0.0
     tokens: float = 0.0
     steps: int = 0
     fresh: int = 0  # steps since the average last started afresh (:meth:`restart`)
+    ema: float = MEASURED_EMA  # the weight of each step once past the plain mean
 
     def add(self, seconds: float, tokens: int) -> None:
         self.steps += 1
         self.fresh += 1
-        weight = max(1.0 / self.fresh, MEASURED_EMA)
+        weight = max(1.0 / self.fresh, self.ema)
         self.seconds += weight * (seconds - self.seconds)
         self.tokens += weight * (tokens - self.tokens)
 
@@ -207,6 +215,7 @@ class BudgetController:
         self._last: tuple[float, int, int, bool] | None = None
         self._emitted: int | None = None  # tokens the step in flight emitted (sample_tokens)
         self._measured: dict[tuple[int, bool], MeasuredRate] = {}  # (bucket, drafting) -> rate
+        self._long_run: dict[int, MeasuredRate] = {}  # bucket -> drafting's, never restarted
         self._remeasure_at: dict[int, int] = {}  # batch bucket -> step to re-measure plain
         self._probe_started: dict[int, int] = {}  # batch bucket -> the pause its probe ended
         self.resume_s: dict[int, float] = {}  # batch bucket -> seconds resuming the drafter costs
@@ -228,7 +237,8 @@ class BudgetController:
                 sorted(self._remeasure_at.items()), sorted(self._probe_started.items()),
                 sorted(self.resume_s.items()),
                 sorted((k, (r.seconds, r.tokens, r.steps, r.fresh))
-                       for k, r in self._measured.items()))
+                       for k, r in self._measured.items()),
+                sorted((k, (r.seconds, r.tokens, r.steps)) for k, r in self._long_run.items()))
 
     # --- before the drafter runs ---------------------------------------------------------
 
@@ -359,7 +369,11 @@ class BudgetController:
         for 1 (loss 0.0625): 101 steps; with resuming at 5 ms more: 200."""
         pause = self._pause.get(bucket, FIRST_PAUSE)
         if bucket in self._pause and self._measured_both(bucket):
-            on, off = self._measured[(bucket, True)], self._measured[(bucket, False)]
+            # the loss by drafting's long-run rate: the probe's own steps answered for the
+            # requests it met; the next probe meets the bucket's traffic, which the long run
+            # describes (at one request a bad prompt said "no"; the next prompt is another)
+            on = self._long_run.get(bucket) or self._measured[(bucket, True)]
+            off = self._measured[(bucket, False)]
             loss = 1.0 - on.tokens_per_s() / max(off.tokens_per_s(), 1e-12)
             lost = (PROBE_STEPS * on.seconds * (loss / PROBE_LOSS - 1.0)
                     + self.resume_s.get(bucket, 0.0) * (1.0 / PROBE_LOSS - 1.0))
@@ -480,6 +494,10 @@ class BudgetController:
             key = (self._bucket(reqs), last_verified)
             rate = self._measured.get(key) or self._measured.setdefault(key, MeasuredRate())
             rate.add(seconds, emitted)
+            if last_verified:
+                long_run = self._long_run.get(key[0]) or self._long_run.setdefault(
+                    key[0], MeasuredRate(ema=LONG_RUN_EMA))
+                long_run.add(seconds, emitted)
         predicted = self.cost.verify_time_host(tokens) + grammar_s
         if self._drafting_now:
             predicted += self.cost.draft_time(reqs)
