@@ -94,6 +94,15 @@ class CostModel:
                              torch.tensor(self.verify_seconds, dtype=torch.float64).to(device))
         return cache[device]
 
+    def empty(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Empty float64, int64 and bool tensors on ``device`` (the fused op's "none" inputs),
+        made once: a step's budget function does not allocate them."""
+        cache = self.__dict__.setdefault("_device_empty", {})
+        if device not in cache:
+            cache[device] = tuple(torch.empty(0, dtype=dtype, device=device)
+                                  for dtype in (torch.float64, torch.int64, torch.bool))
+        return cache[device]
+
     def verify_time(self, num_tokens: torch.Tensor) -> torch.Tensor:
         """Seconds of a target step of ``num_tokens`` tokens (any shape, float64, on its device)."""
         xs, ys = self._points(num_tokens.device)
@@ -307,8 +316,9 @@ def budget_function(cost: CostModel, calibration: Calibration, sampled: torch.Te
         xs, ys = cost._points(sampled.device)
         plain_time = cost.verify_time_host(num_reqs) + off_overhead if versus_plain else 0.0
         draft_time = cost.draft_time(num_reqs)
-        everyone = sampled[:0]  # an empty mask: every request's context is complete
-        costs = (xs[:0], xs[:0].long()) if node_cost is None else (node_cost, limit)
+        none_f64, none_i64, none_bool = cost.empty(sampled.device)
+        everyone = none_bool  # an empty mask: every request's context is complete
+        costs = (none_f64, none_i64) if node_cost is None else (node_cost, limit)
 
         def fused(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
             return ops.auto_budgets(scores.contiguous(), depths.contiguous(),

@@ -223,6 +223,7 @@ class BudgetController:
         # the scheduler's mean grammar seconds per structured-output node (grammar.GrammarTime,
         # with each step's schedule): auto counts it in the step time of the trees it sizes
         self.grammar_node_s = 0.0
+        self._greedy_masks: dict[int, torch.Tensor] = {}  # _all_greedy
         self.stats = PolicyStats()
         self._totals = PolicyStats()
         self._logged_at = time.monotonic()
@@ -258,6 +259,15 @@ class BudgetController:
     @staticmethod
     def _bucket(num_reqs: int) -> int:
         return max(num_reqs, 1).bit_length()
+
+    def _all_greedy(self, num_reqs: int) -> torch.Tensor:
+        """``[num_reqs]`` bool, all False (no request samples): one tensor per batch size,
+        made once (auto reads it twice a step when every request is greedy; read only)."""
+        mask = self._greedy_masks.get(num_reqs)
+        if mask is None:
+            mask = self._greedy_masks[num_reqs] = torch.zeros(num_reqs, dtype=torch.bool,
+                                                              device=self.device)
+        return mask
 
     def will_draft(self, num_reqs: int) -> bool:
         """Whether the drafter runs its query pass at the end of this step (no side effect:
@@ -301,7 +311,7 @@ class BudgetController:
         if self.cost is None:
             raise RuntimeError("ddtree auto budgets: no step cost model (measured at start-up)")
         if sampled is None:
-            sampled = torch.zeros(num_reqs, dtype=torch.bool, device=self.device)
+            sampled = self._all_greedy(num_reqs)
         # measured rates of both kinds here decide whether to draft; the model sizes the trees
         versus_plain = not self._measured_both(self._bucket(num_reqs))
         node_cost = limit = None
@@ -452,7 +462,7 @@ class BudgetController:
         if self.calibration is None:
             return
         if sampled is None:
-            sampled = torch.zeros_like(matched)
+            sampled = self._all_greedy(matched.shape[0])
         self.calibration.observe(tree.scores, tree.depths, accepted_nodes, matched, sampled)
 
     def tokens_emitted(self, num_tokens: float) -> None:
