@@ -292,6 +292,9 @@ def test_a_bad_spell_of_a_drafter_that_pays_in_the_long_run_keeps_the_doubling_p
     assert pauses[:3] == [FIRST_PAUSE, 2 * FIRST_PAUSE, 4 * FIRST_PAUSE], runs
     assert [length for value, length in runs[1:-1] if value] == [policy.PROBE_STEPS] * 3
     assert pauses[3] > 8 * FIRST_PAUSE  # the long-run rate now loses: the loss lengthens it
+    measured = engine.ctl.summary()["measured_tokens_per_s"]
+    assert 1.2 / 0.016 < measured["1-1 requests, drafting, long run"] < 200  # under plain's
+    assert measured["1-1 requests, drafting"] == pytest.approx(1.2 / 0.016, rel=0.05)
     after = [engine.step(0.010, 3, 0.005) for _ in range(200)]
     runs = alternating_runs(after)
     assert not runs[0][0] and runs[0][1] < MAX_PAUSE and runs[1] == (True, 200 - runs[0][1])

@@ -555,6 +555,10 @@ class BudgetController:
                 f"{1 << (bucket - 1)}-{(1 << bucket) - 1} requests, "
                 f"{'drafting' if drafting else 'plain'}": round(rate.tokens_per_s(), 1)
                 for (bucket, drafting), rate in sorted(self._measured.items())}
+            # what prices the pauses after a probe's "no" (_pause_length)
+            out["measured_tokens_per_s"].update({
+                f"{1 << (bucket - 1)}-{(1 << bucket) - 1} requests, drafting, long run":
+                round(rate.tokens_per_s(), 1) for bucket, rate in sorted(self._long_run.items())})
         return out
 
     def _merged(self) -> PolicyStats:
