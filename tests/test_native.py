@@ -840,8 +840,10 @@ def test_auto_budget_function_equals_the_torch_path(native, versus_plain):
     """auto's budget function (calibrated gains, global ranking, the cost model's best k, the
     plain-decoding comparison) as one fused op gives the torch path's budgets: random trees,
     calibrations, cost curves, overheads, sampled and incomplete requests, structured requests
-    (node costs, a limit of L nodes)."""
-    from vllm_ddtree.budget import Calibration, CostModel, budget_function
+    (node costs, a limit of L nodes). The trees cut to those budgets are equal too: on the
+    CPU ``build_tree`` gets them from one op (``build_tree_auto``), on the torch path from the
+    full-width tree, the budgets and ``first_nodes``."""
+    from vllm_ddtree.budget import Calibration, CostModel, FusedAutoBudgets, budget_function
 
     gen = torch.Generator().manual_seed(21)
     for trial in range(30):
@@ -873,6 +875,16 @@ def test_auto_budget_function_equals_the_torch_path(native, versus_plain):
         fused, ref = both_paths(native, budgets)
         assert fused.dtype == ref.dtype == torch.int64
         assert torch.equal(fused, ref), (trial, fused, ref)
+
+        def cut_trees():
+            fn = budget_function(cost, calibration, sampled, complete,
+                                 versus_plain=versus_plain, **overheads, **costs)
+            assert isinstance(fn, FusedAutoBudgets) == (cpu_ops("cpu") is not None)
+            return build_tree(logits, fn, width)
+
+        fused_tree, ref_tree = both_paths(native, cut_trees)
+        assert_trees_equal(fused_tree, ref_tree, f"trial {trial}")
+        assert torch.equal(fused_tree.num_nodes, torch.minimum(fused, tree.num_nodes))
 
 
 def test_calibration_observe_equals_the_torch_path(native):

@@ -297,6 +297,25 @@ def auto_budgets(gains: torch.Tensor, cost: CostModel, on_overhead: float = 0.0,
     return chosen.sum(dim=1)
 
 
+class FusedAutoBudgets:
+    """auto's budget function on the CPU (:func:`budget_function`). Called with a tree's
+    ``(scores, depths)`` it is one fused op (``torch.ops.ddtree.auto_budgets``), and
+    :func:`vllm_ddtree.tree.build_tree` gets the cut trees from :meth:`build_budgeted`: the
+    full-width trees, this function and the cut to its budgets in one op, not three."""
+
+    def __init__(self, ops, args: tuple):
+        self._ops, self._args = ops, args  # the op's inputs after (scores, depths)
+
+    def __call__(self, scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+        return self._ops.auto_budgets(scores.contiguous(), depths.contiguous(), *self._args)
+
+    def build_budgeted(self, values: torch.Tensor, token_ids: torch.Tensor, max_budget: int):
+        """``torch.ops.ddtree.build_tree``'s fields for ranked ``values`` / ``token_ids``
+        ``[R, L, k]``, each tree cut to the budget this function gives its full-width tree
+        (``torch.ops.ddtree.build_tree_auto``)."""
+        return self._ops.build_tree_auto(values, token_ids, max_budget, *self._args)
+
+
 def budget_function(cost: CostModel, calibration: Calibration, sampled: torch.Tensor,
                     complete: torch.Tensor | None = None, on_overhead: float = 0.0,
                     off_overhead: float = 0.0, versus_plain: bool = True,
@@ -308,7 +327,7 @@ def budget_function(cost: CostModel, calibration: Calibration, sampled: torch.Te
     nodes); ``node_cost`` (``[R]`` float64 seconds, see :func:`auto_budgets`) and ``limit``
     (``[R]`` int64, the most nodes each request can send: gains past it count 0), both or
     neither. On the CPU the whole function is one fused op
-    (``torch.ops.ddtree.auto_budgets``).
+    (``torch.ops.ddtree.auto_budgets``, :class:`FusedAutoBudgets`).
     """
     num_reqs = sampled.shape[0]
     ops = cpu_ops(sampled.device)
@@ -319,15 +338,10 @@ def budget_function(cost: CostModel, calibration: Calibration, sampled: torch.Te
         none_f64, none_i64, none_bool = cost.empty(sampled.device)
         everyone = none_bool  # an empty mask: every request's context is complete
         costs = (none_f64, none_i64) if node_cost is None else (node_cost, limit)
-
-        def fused(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
-            return ops.auto_budgets(scores.contiguous(), depths.contiguous(),
-                                    calibration.predicted, calibration.observed,
-                                    calibration.prior, sampled,
-                                    everyone if complete is None else complete.contiguous(), xs, ys,
-                                    draft_time, on_overhead, plain_time, *costs)
-
-        return fused
+        return FusedAutoBudgets(ops, (
+            calibration.predicted, calibration.observed, calibration.prior, sampled,
+            everyone if complete is None else complete.contiguous(), xs, ys, draft_time,
+            on_overhead, plain_time, *costs))
     factors = calibration.factors()
 
     def budgets(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:

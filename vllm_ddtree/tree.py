@@ -356,11 +356,12 @@ def build_tree(
     num_rows = num_slots + 2  # the root, the nodes, the root's copy (see _ancestor_rows)
     k = min(num_slots, vocab)
     ops = cpu_ops(device)
-    if ops is not None:  # the fused CPU kernel: the same tree in 3 ops
+    if ops is not None:  # the fused CPU kernel: the same tree in 3 ops (auto's in 2)
         return _build_tree_fused(draft_logits, budget, budget_fn, num_slots, k, temperature,
                                  ops.build_tree,
                                  lambda values, ids, fields, budgets: ops.first_nodes(
-                                     *fields, budgets))
+                                     *fields, budgets),
+                                 getattr(budget_fn, "build_budgeted", None))
     if triton_stages(device) and num_slots <= MAX_TRITON_BUDGET:
         # the Triton kernel on CUDA: one launch (two with per-request budgets: the heap runs
         # again, stopping at each request's budget)
@@ -452,16 +453,24 @@ def build_tree(
 
 
 def _build_tree_fused(draft_logits: torch.Tensor, budget, budget_fn: BudgetFn | None,
-                      max_budget: int, k: int, temperature: float, build, keep) -> DraftTree:
+                      max_budget: int, k: int, temperature: float, build, keep,
+                      build_budgeted=None) -> DraftTree:
     """:func:`build_tree` with a fused op: the ranking and DDTree's best-first heap per request
     in one call, ``build(values, token_ids, budget, max_budget)`` (the CPU op
     ``torch.ops.ddtree.build_tree``, kernels/csrc/ddtree_cpu.cpp, or the Triton kernel
     ``build_tree_triton``). A budget function or tensor builds the full-width tree first, then
     ``keep(values, token_ids, fields, budgets)`` keeps each request's first ``budget[r]`` nodes
-    (a best-first prefix is a subtree)."""
+    (a best-first prefix is a subtree). ``build_budgeted(values, token_ids, max_budget)``, where
+    given, does all three at once (auto's budget function on the CPU,
+    :class:`vllm_ddtree.budget.FusedAutoBudgets`)."""
     values, token_ids = _top_log_probs(draft_logits, k, temperature)
     width_budget = max_budget if budget_fn is not None or isinstance(budget, torch.Tensor) \
         else int(budget)
+    if build_budgeted is not None:  # the budget function's own build (auto on the CPU)
+        token_ids, parents, depths, scores, num_nodes, mask = build_budgeted(
+            values, token_ids, max_budget)
+        return DraftTree(token_ids=token_ids, parents=parents, depths=depths, scores=scores,
+                         num_nodes=num_nodes, ancestor_mask=mask, max_depth=draft_logits.shape[1])
     fields = build(values, token_ids, width_budget, max_budget)
     if budget_fn is not None:
         budget = budget_fn(fields[3], fields[2])  # (scores, depths) of the full-width tree

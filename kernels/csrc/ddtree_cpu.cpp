@@ -169,8 +169,31 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> build_tree(
   return {tokens, parents, depths, scores, num_nodes, mask};
 }
 
-// The trees of the first budgets[r] nodes of request r (a subtree: parents precede their
-// children), the rest padding: new tensors (the inputs are what a budget function saw).
+// Cuts each request's tree (build_tree's fields) to its first budgets[r] nodes, in place (a
+// subtree: parents precede their children); the rest becomes padding.
+void keep_first_nodes(Tensor* fields, const Tensor& budgets) {
+  check_cpu(budgets, "budgets");
+  TORCH_CHECK(budgets.scalar_type() == at::kLong, "first_nodes: budgets must be int64");
+  const int64_t R = fields[0].size(0), B = fields[0].size(1), W = fields[5].size(2);
+  TORCH_CHECK(budgets.numel() == R, "first_nodes: one budget per request");
+  const int64_t* bud = budgets.data_ptr<int64_t>();
+  int64_t* rt = fields[0].data_ptr<int64_t>();
+  int64_t* rp = fields[1].data_ptr<int64_t>();
+  int64_t* rd = fields[2].data_ptr<int64_t>();
+  float* rs = fields[3].data_ptr<float>();
+  int64_t* num = fields[4].data_ptr<int64_t>();
+  uint32_t* rm = reinterpret_cast<uint32_t*>(fields[5].data_ptr<int32_t>());
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t keep = std::max<int64_t>(0, std::min(bud[r], num[r]));
+    for (int64_t i = keep; i < num[r]; ++i) {
+      set_padding(rt + r * B, rp + r * B, rd + r * B, rs + r * B, rm + r * (B + 1) * W, W, i);
+    }
+    num[r] = keep;
+  }
+}
+
+// The trees of the first budgets[r] nodes of request r, the rest padding: new tensors (the
+// inputs are what a budget function saw).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> first_nodes(
     const Tensor& tokens_in, const Tensor& parents_in, const Tensor& depths_in,
     const Tensor& scores_in, const Tensor& num_nodes_in, const Tensor& mask_in,
@@ -184,24 +207,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> first_nodes(
     std::memcpy(outputs[i].data_ptr(), inputs[i]->data_ptr(),
                 inputs[i]->numel() * inputs[i]->element_size());
   }
-  check_cpu(budgets, "budgets");
-  TORCH_CHECK(budgets.scalar_type() == at::kLong, "first_nodes: budgets must be int64");
-  const int64_t R = tokens_in.size(0), B = tokens_in.size(1), W = mask_in.size(2);
-  TORCH_CHECK(budgets.numel() == R, "first_nodes: one budget per request");
-  const int64_t* bud = budgets.data_ptr<int64_t>();
-  int64_t* rt = outputs[0].data_ptr<int64_t>();
-  int64_t* rp = outputs[1].data_ptr<int64_t>();
-  int64_t* rd = outputs[2].data_ptr<int64_t>();
-  float* rs = outputs[3].data_ptr<float>();
-  int64_t* num = outputs[4].data_ptr<int64_t>();
-  uint32_t* rm = reinterpret_cast<uint32_t*>(outputs[5].data_ptr<int32_t>());
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t keep = std::max<int64_t>(0, std::min(bud[r], num[r]));
-    for (int64_t i = keep; i < num[r]; ++i) {
-      set_padding(rt + r * B, rp + r * B, rd + r * B, rs + r * B, rm + r * (B + 1) * W, W, i);
-    }
-    num[r] = keep;
-  }
+  keep_first_nodes(outputs, budgets);
   return {outputs[0], outputs[1], outputs[2], outputs[3], outputs[4], outputs[5]};
 }
 
@@ -1448,6 +1454,24 @@ void copy_slots_(at::TensorList flats, const Tensor& offsets, int64_t slot_strid
 
 }  // namespace
 
+// auto's tree in one op: build_tree's full-width trees (max_budget nodes), auto_budgets over
+// their (scores, depths), each tree cut to its budget (first_nodes, in place: the full-width
+// trees are this op's own). Equal to the three ops one after the other.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> build_tree_auto(
+    const Tensor& values, const Tensor& ids, int64_t max_budget, const Tensor& predicted,
+    const Tensor& observed, double prior, const Tensor& sampled, const Tensor& complete,
+    const Tensor& xs, const Tensor& ys, double draft_time, double on_overhead,
+    double plain_time, const Tensor& node_cost, const Tensor& limit) {
+  auto tree = build_tree(values, ids, max_budget, max_budget);
+  Tensor fields[6] = {std::get<0>(tree), std::get<1>(tree), std::get<2>(tree),
+                      std::get<3>(tree), std::get<4>(tree), std::get<5>(tree)};
+  const Tensor budgets = auto_budgets(fields[3], fields[2], predicted, observed, prior, sampled,
+                                      complete, xs, ys, draft_time, on_overhead, plain_time,
+                                      node_cost, limit);
+  keep_first_nodes(fields, budgets);
+  return {fields[0], fields[1], fields[2], fields[3], fields[4], fields[5]};
+}
+
 TORCH_LIBRARY(ddtree, m) {
   m.def("build_tree(Tensor values, Tensor ids, int budget, int max_budget) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
@@ -1475,6 +1499,10 @@ TORCH_LIBRARY(ddtree, m) {
   m.def("auto_budgets(Tensor scores, Tensor depths, Tensor predicted, Tensor observed, "
         "float prior, Tensor sampled, Tensor complete, Tensor xs, Tensor ys, float draft_time, "
         "float on_overhead, float plain_time, Tensor node_cost, Tensor limit) -> Tensor");
+  m.def("build_tree_auto(Tensor values, Tensor ids, int max_budget, Tensor predicted, "
+        "Tensor observed, float prior, Tensor sampled, Tensor complete, Tensor xs, Tensor ys, "
+        "float draft_time, float on_overhead, float plain_time, Tensor node_cost, "
+        "Tensor limit) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("calibration_observe_(Tensor(a!) predicted, Tensor(b!) observed, Tensor scores, "
         "Tensor depths, Tensor accepted_nodes, Tensor counted, Tensor sampled, float decay) -> ()");
   m.def("copy_slots_(Tensor(a!)[] flats, Tensor offsets, int slot_stride, Tensor slot_mapping, "
@@ -1497,6 +1525,7 @@ TORCH_LIBRARY_IMPL(ddtree, CPU, m) {
   m.impl("argmax_rows", &argmax_rows);
   m.impl("top_k_", &top_k_);
   m.impl("auto_budgets", &auto_budgets);
+  m.impl("build_tree_auto", &build_tree_auto);
   m.impl("calibration_observe_", &calibration_observe_);
   m.impl("copy_slots_", &copy_slots_);
 }
