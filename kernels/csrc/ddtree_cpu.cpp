@@ -1452,8 +1452,6 @@ void copy_slots_(at::TensorList flats, const Tensor& offsets, int64_t slot_strid
   }
 }
 
-}  // namespace
-
 // auto's tree in one op: build_tree's full-width trees (max_budget nodes), auto_budgets over
 // their (scores, depths), each tree cut to its budget (first_nodes, in place: the full-width
 // trees are this op's own). Equal to the three ops one after the other.
@@ -1471,6 +1469,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> build_tree_auto(
   keep_first_nodes(fields, budgets);
   return {fields[0], fields[1], fields[2], fields[3], fields[4], fields[5]};
 }
+
+}  // namespace
 
 TORCH_LIBRARY(ddtree, m) {
   m.def("build_tree(Tensor values, Tensor ids, int budget, int max_budget) -> "
