@@ -451,6 +451,38 @@ def test_once_measured_the_rates_decide_whether_to_draft_and_the_model_sizes_tre
     assert ctl.budget(2, None)(scores.expand(2, 2), depths.expand(2, 2)).tolist() == [0, 0]
 
 
+def test_a_single_request_where_drafting_pays_verifies_a_full_width_tree_every_16_steps():
+    """Every EXPLORE_TREE_EVERY-th proposal step of a single request whose drafting pays by the
+    measured rates gets the full-width tree (the int max_budget, as a static budget) instead of
+    the budget function, so the calibration sees every score bin; never with more requests,
+    with structured outputs, with a hole in a request's context, or where drafting loses."""
+    assert policy.EXPLORE_TREE_EVERY == 16
+    engine = Engine()
+    for _ in range(200):
+        engine.step(0.010, 3, 0.005)  # drafting pays: 300 tokens/s against 200
+    ctl = engine.ctl
+    assert ctl._measured_both(1) and ctl._measured_pays(1)
+    ctl.step = 64  # a multiple of EXPLORE_TREE_EVERY
+    assert ctl.budget(1, None) == ctl.max_budget == 16
+    assert ctl.budget(1, None, structured=[False]) == 16
+    assert callable(ctl.budget(1, None, structured=[True]))
+    assert callable(ctl.budget(1, None, complete=torch.ones(1, dtype=torch.bool)))
+    assert callable(ctl.budget(2, None))  # another batch size (and not measured there)
+    ctl.step = 65
+    assert callable(ctl.budget(1, None))
+    slow = Engine()
+    for _ in range(200):
+        slow.step(0.016, 2.5, 0.005)  # drafting loses
+    slow.ctl.step = 64
+    assert not slow.ctl._measured_pays(1) and callable(slow.ctl.budget(1, None))
+    # driven like the runner, the full-width steps are one in EXPLORE_TREE_EVERY proposals
+    explored = 0
+    for _ in range(160):
+        explored += isinstance(ctl.budget(1, None), int)
+        engine.step(0.010, 3, 0.005)
+    assert 160 // policy.EXPLORE_TREE_EVERY - 2 <= explored <= 160 // policy.EXPLORE_TREE_EVERY
+
+
 def test_long_pauses_go_cold_until_warm_up_steps_before_the_probe():
     """Auto skips even the context pass in a pause, except in its last WARM_UP steps (and in
     the probe); the static and table policies always keep the drafter's context."""
