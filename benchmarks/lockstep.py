@@ -201,7 +201,9 @@ def start_warm(configs: list[tuple[str, dict | None]], args) -> tuple[dict, list
                                       "--max-model-len", str(args.max_model_len)])
     engines = {name: budget_policy.start_engine(bench, spec, len(configs))
                for name, spec in configs}
-    prompts = budget_policy.prompts_for(bench, 4 * args.concurrency)
+    # at least budget_policy.py's 32 prompts: at one request, 4 prompts made one bad prompt a
+    # quarter of the run
+    prompts = budget_policy.prompts_for(bench, max(32, 4 * args.concurrency))
     from vllm import SamplingParams
 
     warm = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
