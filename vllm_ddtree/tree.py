@@ -464,19 +464,17 @@ def _build_tree_fused(draft_logits: torch.Tensor, budget, budget_fn: BudgetFn | 
     given, does all three at once (auto's budget function on the CPU,
     :class:`vllm_ddtree.budget.FusedAutoBudgets`)."""
     values, token_ids = _top_log_probs(draft_logits, k, temperature)
-    width_budget = max_budget if budget_fn is not None or isinstance(budget, torch.Tensor) \
-        else int(budget)
     if build_budgeted is not None:  # the budget function's own build (auto on the CPU)
-        token_ids, parents, depths, scores, num_nodes, mask = build_budgeted(
-            values, token_ids, max_budget)
-        return DraftTree(token_ids=token_ids, parents=parents, depths=depths, scores=scores,
-                         num_nodes=num_nodes, ancestor_mask=mask, max_depth=draft_logits.shape[1])
-    fields = build(values, token_ids, width_budget, max_budget)
-    if budget_fn is not None:
-        budget = budget_fn(fields[3], fields[2])  # (scores, depths) of the full-width tree
-    if isinstance(budget, torch.Tensor):
-        budget = budget.to(device=draft_logits.device, dtype=torch.int64)
-        fields = keep(values, token_ids, fields, budget)
+        fields = build_budgeted(values, token_ids, max_budget)
+    else:
+        width_budget = max_budget if budget_fn is not None or isinstance(budget, torch.Tensor) \
+            else int(budget)
+        fields = build(values, token_ids, width_budget, max_budget)
+        if budget_fn is not None:
+            budget = budget_fn(fields[3], fields[2])  # (scores, depths) of the full-width tree
+        if isinstance(budget, torch.Tensor):
+            budget = budget.to(device=draft_logits.device, dtype=torch.int64)
+            fields = keep(values, token_ids, fields, budget)
     token_ids, parents, depths, scores, num_nodes, mask = fields
     return DraftTree(token_ids=token_ids, parents=parents, depths=depths, scores=scores,
                      num_nodes=num_nodes, ancestor_mask=mask, max_depth=draft_logits.shape[1])

@@ -321,7 +321,7 @@ class BudgetController:
         if self.cost is None:
             raise RuntimeError("ddtree auto budgets: no step cost model (measured at start-up)")
         bucket = self._bucket(num_reqs)
-        if self._explores(num_reqs, complete, structured):
+        if self._explores(num_reqs, bucket, complete, structured):
             return self.max_budget  # a full-width tree: every score bin gets calibrated
         if sampled is None:
             sampled = self._all_greedy(num_reqs)
@@ -340,7 +340,7 @@ class BudgetController:
                                on_overhead=self.on_overhead, off_overhead=self.off_overhead,
                                versus_plain=versus_plain, node_cost=node_cost, limit=limit)
 
-    def _explores(self, num_reqs: int, complete: torch.Tensor | None,
+    def _explores(self, num_reqs: int, bucket: int, complete: torch.Tensor | None,
                   structured: list[bool] | None) -> bool:
         """Whether this step's tree is the full-width one (``max_budget`` nodes) instead of
         the budget function's: every ``EXPLORE_TREE_EVERY``-th proposal step of a single request
@@ -351,8 +351,7 @@ class BudgetController:
         probability e^-5 to e^-4 at depths 3-6 are accepted 1.6-6.7x as often as the drafter
         says; capped at 16 nodes, auto never verified one). At one request a full-width tree
         costs what static B costs there, about what auto's own does; the calibration it feeds
-        serves every batch size."""
-        bucket = self._bucket(num_reqs)
+        serves every batch size. ``bucket``: ``num_reqs``' batch bucket."""
         return (num_reqs == 1 and self.step % EXPLORE_TREE_EVERY == 0 and complete is None
                 and not any(structured or ()) and self._measured_both(bucket)
                 and self._measured_pays(bucket))
