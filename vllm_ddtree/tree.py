@@ -81,9 +81,12 @@ class DraftTree:
         """``[batch, B]`` bool: True for real nodes."""
         return self.depths > 0
 
-    def first_nodes(self, width: int) -> DraftTree:
+    def first_nodes(self, width: int, num_nodes: torch.Tensor | None = None) -> DraftTree:
         """The trees of the first ``width`` nodes of each request (a subtree: parents precede
-        their children), padded to ``width``. Example: nodes [a, b, ab] -> width 2: [a, b]."""
+        their children), padded to ``width``. ``num_nodes``: their node counts where the caller
+        knows that no tree has more than ``width`` nodes (a verify batch cut to its widest
+        scheduled tree: ``self.num_nodes``), else ``self.num_nodes`` clamped to ``width`` (one
+        op less a verify step). Example: nodes [a, b, ab] -> width 2: [a, b]."""
         if not 0 <= width <= self.max_budget:
             raise ValueError(f"width={width} must be in [0, {self.max_budget}]")
         words = (width + 1 + 31) // 32
@@ -92,7 +95,7 @@ class DraftTree:
             parents=self.parents[:, :width],
             depths=self.depths[:, :width],
             scores=self.scores[:, :width],
-            num_nodes=self.num_nodes.clamp(max=width),
+            num_nodes=self.num_nodes.clamp(max=width) if num_nodes is None else num_nodes,
             ancestor_mask=self.ancestor_mask[:, : width + 1, :words],
             max_depth=min(self.max_depth, width),
         )

@@ -166,7 +166,8 @@ class TreeRejectionSampler(nn.Module):
         width = max(num_draft, default=0)
         tree = verify.tree
         if width != tree.max_budget or tree.max_depth > width:  # else first_nodes is the tree
-            tree = tree.first_nodes(width)
+            # (a verify tree's nodes are its scheduled drafts: none has more than width)
+            tree = tree.first_nodes(width, num_nodes=tree.num_nodes)
         sampling = sampling_batch(sampling_metadata)
         all_random = bool(getattr(sampling_metadata, "all_random", False))
         rows = None if sampling is None else RowSampling.expand(
