@@ -127,6 +127,47 @@ def test_auto_with_step_overheads_is_the_best_budget_vector(seed):
     assert (more >= without).all(), (without, more)
 
 
+def test_a_tie_takes_the_largest_tree_within_it_of_the_best():
+    """One request, gains [.9, .5, .05], T_verify(n) = n ms, T_draft = 1 ms: k = 0..3 give
+    (1 + [0, .9, 1.4, 1.45]) / ([1, 2, 3, 4] + 1) = [.5, .633, .6, .49] tokens per ms. The best
+    is k = 1; within 6 % of it (.595) also k = 2, the largest; within 1 % only k = 1."""
+    gains = torch.tensor([[0.9, 0.5, 0.05]], dtype=torch.float64)
+    cost = CostModel((1, 4), (0.001, 0.004), (1,), (0.001,))
+    assert auto_budgets(gains, cost, versus_plain=False).tolist() == [1]
+    assert auto_budgets(gains, cost, versus_plain=False, tie=0.01).tolist() == [1]
+    assert auto_budgets(gains, cost, versus_plain=False, tie=0.06).tolist() == [2]
+    # the plain-decoding comparison is still the best tree's: 1 / 1 ms beats .633
+    assert auto_budgets(gains, cost, tie=0.06).tolist() == [0]
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("tie", [0.01, 0.05])
+def test_a_tie_is_the_largest_prefix_of_the_ranking_within_it(seed, tie):
+    """The oracle: every prefix of the nodes ranked by gain (ties: request, then node order),
+    its rate written out (a drafting step: no nodes still runs the drafter); auto with ``tie``
+    takes the largest prefix within ``tie`` of the best of them, so it is never worse than that
+    share and never smaller than the best tree (which the other tests hold against every
+    budget vector)."""
+    gains, cost, _ = random_case(seed)
+    num_reqs, width = gains.shape
+    ranked = sorted(range(num_reqs * width), key=lambda i: (-gains.flatten()[i].item(), i))
+    prefixes, rates = [], []
+    for k in range(len(ranked) + 1):
+        budgets = [0] * num_reqs
+        for i in ranked[:k]:
+            budgets[i // width] += 1
+        prefixes.append(budgets)
+        rates.append(step_rate(gains, cost, budgets) if k else num_reqs / (
+            cost.verify_time(torch.tensor([float(num_reqs)])).item()
+            + cost.draft_time(num_reqs)))
+    best = max(rates)
+    want = max(k for k, rate in enumerate(rates) if rate >= (1 - tie) * best * (1 - 1e-12))
+    got = auto_budgets(gains, cost, versus_plain=False, tie=tie).tolist()
+    assert got == prefixes[want], (got, prefixes[want])
+    assert rates[want] >= (1 - tie) * best * (1 - 1e-12)
+    assert sum(got) >= sum(auto_budgets(gains, cost, versus_plain=False).tolist())
+
+
 def test_a_step_overhead_gives_deeper_trees():
     """One request, a node worth 0.09 tokens at 1 ms a verify row on a 10 ms step: not worth
     it by the model alone (1.09 / 11 ms < 1 / 10 ms); with 10 ms of overhead every step

@@ -887,6 +887,49 @@ def test_auto_budget_function_equals_the_torch_path(native, versus_plain):
         assert torch.equal(fused_tree.num_nodes, torch.minimum(fused, tree.num_nodes))
 
 
+@pytest.mark.parametrize("versus_plain", [True, False])
+def test_auto_budgets_with_a_tie_equal_the_torch_path(native, versus_plain):
+    """auto's tie (the largest tree within a share of the best rate, policy.TREE_TIE) in the
+    fused op and on the torch path: the same budgets and the same cut trees, with and
+    without node costs, and never fewer nodes than without the tie."""
+    from vllm_ddtree.budget import Calibration, CostModel, budget_function
+
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(24):
+        num_reqs, width, depth = 1 + trial % 4, (8, 16, 24)[trial % 3], 2 + trial % 6
+        logits = torch.randn(num_reqs, depth, 50, generator=gen) * (1 + trial % 3)
+        tree = build_tree(logits, width)
+        calibration = Calibration(depth, torch.device("cpu"))
+        shape = calibration.predicted.shape
+        calibration.predicted.copy_(torch.rand(shape, generator=gen, dtype=torch.float64) * 5)
+        calibration.observed.copy_(torch.rand(shape, generator=gen, dtype=torch.float64) * 5)
+        slope = float(torch.rand(1, generator=gen)) * 1e-4
+        cost = CostModel((1, 200), (0.005, 0.005 + 199 * slope), (1, 8), (0.001, 0.003))
+        sampled = torch.rand(num_reqs, generator=gen) < 0.5
+        costs = {}
+        if trial % 2:
+            costs = dict(node_cost=torch.rand(num_reqs, generator=gen, dtype=torch.float64)
+                         * 2e-4, limit=torch.full((num_reqs,), width))
+        tie = (0.005, 0.02, 0.1)[trial % 3]
+
+        def budgets(tie=tie):
+            fn = budget_function(cost, calibration, sampled, versus_plain=versus_plain,
+                                 on_overhead=2e-3, tie=tie, **costs)
+            return fn(tree.scores, tree.depths)
+
+        fused, ref = both_paths(native, budgets)
+        assert torch.equal(fused, ref), (trial, fused, ref)
+        assert fused.sum() >= budgets(0.0).sum(), trial
+
+        def cut_trees():
+            fn = budget_function(cost, calibration, sampled, versus_plain=versus_plain,
+                                 on_overhead=2e-3, tie=tie, **costs)
+            return build_tree(logits, fn, width)
+
+        fused_tree, ref_tree = both_paths(native, cut_trees)
+        assert_trees_equal(fused_tree, ref_tree, f"trial {trial}")
+
+
 def test_calibration_observe_equals_the_torch_path(native):
     """Calibration.observe as one fused op: the same decayed sums per depth and score bin
     (float64, within an ulp of exp), greedy and sampled rows apart, uncounted rows ignored,

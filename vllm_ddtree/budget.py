@@ -223,8 +223,9 @@ def node_gains(scores: torch.Tensor, depths: torch.Tensor, factors: torch.Tensor
 
 def auto_budgets(gains: torch.Tensor, cost: CostModel, on_overhead: float = 0.0,
                  off_overhead: float = 0.0, versus_plain: bool = True,
-                 node_cost: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-request budgets ``[R]`` int64 that maximise the expected tokens per second of a step.
+                 node_cost: torch.Tensor | None = None, tie: float = 0.0) -> torch.Tensor:
+    """Per-request budgets ``[R]`` int64 that maximise the expected tokens per second of a step
+    (or, with ``tie``, the largest within ``tie`` of the best).
 
     Args:
         gains: ``[R, B]`` calibrated node gains in each request's best-first order (non-
@@ -244,6 +245,9 @@ def auto_budgets(gains: torch.Tensor, cost: CostModel, on_overhead: float = 0.0,
             step curve's mean slope per node, then by ``g - lam * c_r`` with ``lam`` the best
             rate of the first ranking (a Dinkelbach step); the better of the two wins. Both
             keep each request's best-first order.
+        tie: 0, the best k; > 0, the largest k whose expected rate is at least ``1 - tie``
+            of the best one's (auto's ``TREE_TIE``: the nodes the model is unsure of, the
+            trees' tails, are kept where they cost at most that share by its own reckoning).
 
     The nodes of all requests are ranked by gain (ties: request, then node order); taking the
     first k costs ``T_verify(R + k) + T_draft(R) + on_overhead`` and emits ``R + S_k`` tokens in
@@ -273,8 +277,10 @@ def auto_budgets(gains: torch.Tensor, cost: CostModel, on_overhead: float = 0.0,
         rate = (num_reqs + taken) / time
         if versus_plain and rate.numel() > 1:  # no nodes is plain decoding's step, priced below
             rate = torch.cat([rate.new_full((1,), float("-inf")), rate[1:]])
-        keep = rate.argmax()
-        return order, keep, rate[keep]
+        best = rate.max()
+        if tie > 0.0:  # the largest k within tie of the best (a device op: no sync)
+            return order, torch.where(rate >= (1.0 - tie) * best, k, 0).max(), best
+        return order, rate.argmax(), best
 
     if node_cost is None or not flat.numel():
         order, keep, best = best_prefix(flat, None)
@@ -319,14 +325,15 @@ class FusedAutoBudgets:
 def budget_function(cost: CostModel, calibration: Calibration, sampled: torch.Tensor,
                     complete: torch.Tensor | None = None, on_overhead: float = 0.0,
                     off_overhead: float = 0.0, versus_plain: bool = True,
-                    node_cost: torch.Tensor | None = None, limit: torch.Tensor | None = None):
+                    node_cost: torch.Tensor | None = None, limit: torch.Tensor | None = None,
+                    tie: float = 0.0):
     """auto's ``build_tree`` budget for one step: ``fn(scores, depths) -> [R]`` budgets from
     the calibrated node gains (:func:`node_gains`) and the step cost model
     (:func:`auto_budgets`). ``sampled``: ``[R]`` bool, requests with T > 0; ``complete``:
     ``[R]`` bool or None, requests whose drafter context is complete (the others get no
     nodes); ``node_cost`` (``[R]`` float64 seconds, see :func:`auto_budgets`) and ``limit``
     (``[R]`` int64, the most nodes each request can send: gains past it count 0), both or
-    neither. On the CPU the whole function is one fused op
+    neither; ``tie``: see :func:`auto_budgets`. On the CPU the whole function is one fused op
     (``torch.ops.ddtree.auto_budgets``, :class:`FusedAutoBudgets`).
     """
     num_reqs = sampled.shape[0]
@@ -341,7 +348,7 @@ def budget_function(cost: CostModel, calibration: Calibration, sampled: torch.Te
         return FusedAutoBudgets(ops, (
             calibration.predicted, calibration.observed, calibration.prior, sampled,
             everyone if complete is None else complete.contiguous(), xs, ys, draft_time,
-            on_overhead, plain_time, *costs))
+            on_overhead, plain_time, *costs, tie))
     factors = calibration.factors()
 
     def budgets(scores: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
@@ -352,7 +359,7 @@ def budget_function(cost: CostModel, calibration: Calibration, sampled: torch.Te
             index = torch.arange(gains.shape[1], device=gains.device)
             gains = gains * (index[None, :] < limit[:, None])
         return auto_budgets(gains, cost, on_overhead=on_overhead, off_overhead=off_overhead,
-                            versus_plain=versus_plain, node_cost=node_cost)
+                            versus_plain=versus_plain, node_cost=node_cost, tie=tie)
 
     return budgets
 

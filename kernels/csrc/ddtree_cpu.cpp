@@ -605,12 +605,13 @@ inline int64_t score_bin(float s, int64_t bins) {
 // least one node competes with it, since a step without nodes is plain decoding's);
 // node_cost: [R] float64 seconds each node of a request adds beyond its verify row (the
 // scheduler's grammar work), limit: [R] int64 the most nodes a request can send (both empty:
-// none). Returns the per-request budgets [R] int64.
+// none); tie: > 0 takes the largest tree whose rate is within tie (a share) of the best one's
+// (0: the best). Returns the per-request budgets [R] int64.
 Tensor auto_budgets(const Tensor& scores, const Tensor& depths, const Tensor& predicted,
                     const Tensor& observed, double prior, const Tensor& sampled,
                     const Tensor& complete, const Tensor& xs, const Tensor& ys,
                     double draft_time, double on_overhead, double plain_time,
-                    const Tensor& node_cost, const Tensor& limit) {
+                    const Tensor& node_cost, const Tensor& limit, double tie) {
   for (auto* t : {&scores, &depths, &predicted, &observed, &sampled, &complete, &xs, &ys,
                   &node_cost, &limit}) {
     check_cpu(*t, "auto_budgets input");
@@ -668,8 +669,10 @@ Tensor auto_budgets(const Tensor& scores, const Tensor& depths, const Tensor& pr
   const auto step_time = [&](int64_t k) {
     return verify_time(static_cast<double>(R + k)) + draft_time + on_overhead;
   };
-  // the nodes ranked by key, best first; the best prefix of that order: (k, its rate)
+  // the nodes ranked by key, best first; the best prefix of that order (or, with tie > 0, the
+  // largest one whose rate is within tie of the best): (k, the best rate)
   std::vector<int64_t> order(N);
+  std::vector<double> rates(N + 1);
   const auto best_prefix = [&](const std::vector<double>& keys, std::vector<int64_t>& ranked) {
     for (int64_t i = 0; i < N; ++i) ranked[i] = i;
     std::stable_sort(ranked.begin(), ranked.end(),
@@ -681,11 +684,20 @@ Tensor auto_budgets(const Tensor& scores, const Tensor& depths, const Tensor& pr
         taken += gains[ranked[k - 1]];
         if (nc != nullptr) extra += nc[ranked[k - 1] / B];
       }
+      rates[k] = -1.0;
       if (k == 0 && plain_time > 0 && N > 0) continue;  // no nodes is plain decoding's step
-      const double rate = (static_cast<double>(R) + taken) / (step_time(k) + extra);
-      if (rate > best_rate) {  // the first of equal maxima, as torch.argmax
-        best_rate = rate;
+      rates[k] = (static_cast<double>(R) + taken) / (step_time(k) + extra);
+      if (rates[k] > best_rate) {  // the first of equal maxima, as torch.argmax
+        best_rate = rates[k];
         keep = k;
+      }
+    }
+    if (tie > 0.0) {  // the largest prefix within `tie` of the best rate
+      for (int64_t k = N; k > keep; --k) {
+        if (rates[k] >= (1.0 - tie) * best_rate) {
+          keep = k;
+          break;
+        }
       }
     }
     return std::make_pair(keep, best_rate);
@@ -1459,13 +1471,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> build_tree_auto(
     const Tensor& values, const Tensor& ids, int64_t max_budget, const Tensor& predicted,
     const Tensor& observed, double prior, const Tensor& sampled, const Tensor& complete,
     const Tensor& xs, const Tensor& ys, double draft_time, double on_overhead,
-    double plain_time, const Tensor& node_cost, const Tensor& limit) {
+    double plain_time, const Tensor& node_cost, const Tensor& limit, double tie) {
   auto tree = build_tree(values, ids, max_budget, max_budget);
   Tensor fields[6] = {std::get<0>(tree), std::get<1>(tree), std::get<2>(tree),
                       std::get<3>(tree), std::get<4>(tree), std::get<5>(tree)};
   const Tensor budgets = auto_budgets(fields[3], fields[2], predicted, observed, prior, sampled,
                                       complete, xs, ys, draft_time, on_overhead, plain_time,
-                                      node_cost, limit);
+                                      node_cost, limit, tie);
   keep_first_nodes(fields, budgets);
   return {fields[0], fields[1], fields[2], fields[3], fields[4], fields[5]};
 }
@@ -1498,11 +1510,12 @@ TORCH_LIBRARY(ddtree, m) {
   m.def("top_k_(Tensor(a!) values, Tensor(b!) ids, Tensor scores) -> bool");
   m.def("auto_budgets(Tensor scores, Tensor depths, Tensor predicted, Tensor observed, "
         "float prior, Tensor sampled, Tensor complete, Tensor xs, Tensor ys, float draft_time, "
-        "float on_overhead, float plain_time, Tensor node_cost, Tensor limit) -> Tensor");
+        "float on_overhead, float plain_time, Tensor node_cost, Tensor limit, float tie) "
+        "-> Tensor");
   m.def("build_tree_auto(Tensor values, Tensor ids, int max_budget, Tensor predicted, "
         "Tensor observed, float prior, Tensor sampled, Tensor complete, Tensor xs, Tensor ys, "
         "float draft_time, float on_overhead, float plain_time, Tensor node_cost, "
-        "Tensor limit) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor limit, float tie) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("calibration_observe_(Tensor(a!) predicted, Tensor(b!) observed, Tensor scores, "
         "Tensor depths, Tensor accepted_nodes, Tensor counted, Tensor sampled, float decay) -> ()");
   m.def("copy_slots_(Tensor(a!)[] flats, Tensor offsets, int slot_stride, Tensor slot_mapping, "

@@ -60,6 +60,17 @@ calibration it feeds serves every batch size. Head to head at one request on the
 (docs/measurements.md), auto went from 0.955 to 0.972 of static B = 16 with at most 16 nodes,
 and from 0.951 to 0.962 with at most 24.
 
+Near-ties go to the larger tree: the budget function takes the largest tree (the longest
+prefix of the nodes ranked by gain) whose modelled rate is within ``TREE_TIE`` (1 %) of the
+best tree's, not the best tree itself. The nodes the model is least sure of are the trees'
+tails (the calibration's cells with the least evidence), and they are the ones it cuts:
+replaying recorded full-width trees of one request (``benchmarks/tree_replay.py``, two sets of
+prompts, nodes priced at 1, 1.5 and 2 times the recorded cost model), the nodes auto's best
+trees cut were accepted 1.3-1.7x as often as it predicted, and those trees made 0.9-2.7 % less
+than the best fixed width. Taking the largest tree within 1 % gained 0.4-2.3 % over them and
+left auto within 0 to 1.2 % of the best fixed width in every case; by the model's own
+reckoning it costs at most ``TREE_TIE`` of a step.
+
 Online correction: the wall time between consecutive decode steps is compared with the cost
 model's prediction for what the step did (drafter on, or paused); the running differences
 (``on_overhead``, ``off_overhead``, seconds, >= 0) are added to the two sides of the comparison,
@@ -135,6 +146,7 @@ MAX_REMEASURE = 1024  # the longest interval between two re-measurements of plai
 RESUME_EMA = 0.5  # weight of each drafting run's first step in a bucket's resume cost
 WARM_UP = 32  # steps before a probe from which a paused drafter keeps its context again
 EXPLORE_TREE_EVERY = 16  # proposal steps between two full-width trees where drafting pays
+TREE_TIE = 0.01  # the largest tree within this share of the best tree's modelled rate
 LOG_INTERVAL_S = 10.0  # the periodic log line (vLLM's stats interval)
 
 
@@ -338,7 +350,8 @@ class BudgetController:
                               self.device)
         return budget_function(self.cost, self.calibration, sampled, complete,
                                on_overhead=self.on_overhead, off_overhead=self.off_overhead,
-                               versus_plain=versus_plain, node_cost=node_cost, limit=limit)
+                               versus_plain=versus_plain, node_cost=node_cost, limit=limit,
+                               tie=TREE_TIE)
 
     def _explores(self, num_reqs: int, bucket: int, complete: torch.Tensor | None,
                   structured: list[bool] | None) -> bool:
