@@ -899,10 +899,9 @@ def test_auto_budgets_with_a_tie_equal_the_torch_path(native, versus_plain):
         num_reqs, width, depth = 1 + trial % 4, (8, 16, 24)[trial % 3], 2 + trial % 6
         logits = torch.randn(num_reqs, depth, 50, generator=gen) * (1 + trial % 3)
         tree = build_tree(logits, width)
-        calibration = Calibration(depth, torch.device("cpu"))
-        shape = calibration.predicted.shape
-        calibration.predicted.copy_(torch.rand(shape, generator=gen, dtype=torch.float64) * 5)
-        calibration.observed.copy_(torch.rand(shape, generator=gen, dtype=torch.float64) * 5)
+        calibration = Calibration(depth, torch.device("cpu"))  # cells of evidence 0-5
+        for sums in (calibration.predicted, calibration.observed):
+            sums.uniform_(0.0, 5.0, generator=gen)
         slope = float(torch.rand(1, generator=gen)) * 1e-4
         cost = CostModel((1, 200), (0.005, 0.005 + 199 * slope), (1, 8), (0.001, 0.003))
         sampled = torch.rand(num_reqs, generator=gen) < 0.5
