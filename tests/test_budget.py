@@ -140,6 +140,20 @@ def test_a_tie_takes_the_largest_tree_within_it_of_the_best():
     assert auto_budgets(gains, cost, tie=0.06).tolist() == [0]
 
 
+def test_a_tie_never_takes_a_node_without_gain():
+    """Nodes of gain 0 (a request without drafter context, nodes past a structured request's
+    limit, padding) are never taken for a tie: on a nearly flat cost curve every extra row is
+    within 1 % of the best rate, yet the request without gains gets no node."""
+    gains = torch.tensor([[0.9, 0.5], [0.0, 0.0]], dtype=torch.float64)
+    cost = CostModel((1, 100), (0.010, 0.010 + 99 * 1e-6), (1, 2), (0.001, 0.001))
+    assert auto_budgets(gains, cost, versus_plain=False).tolist() == [2, 0]
+    assert auto_budgets(gains, cost, versus_plain=False, tie=0.01).tolist() == [2, 0]
+    # the same rows with a small gain are taken: the tie is about gains the model doubts
+    gains[1] = torch.tensor([1e-4, 1e-5], dtype=torch.float64)
+    assert auto_budgets(gains, cost, versus_plain=False).tolist() == [2, 0]
+    assert auto_budgets(gains, cost, versus_plain=False, tie=0.01).tolist() == [2, 2]
+
+
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("tie", [0.01, 0.05])
 def test_a_tie_is_the_largest_prefix_of_the_ranking_within_it(seed, tie):

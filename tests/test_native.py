@@ -891,7 +891,8 @@ def test_auto_budget_function_equals_the_torch_path(native, versus_plain):
 def test_auto_budgets_with_a_tie_equal_the_torch_path(native, versus_plain):
     """auto's tie (the largest tree within a share of the best rate, policy.TREE_TIE) in the
     fused op and on the torch path: the same budgets and the same cut trees, with and
-    without node costs, and never fewer nodes than without the tie."""
+    without node costs, never fewer nodes than without the tie, and none for a request
+    without drafter context (its nodes have no gain)."""
     from vllm_ddtree.budget import Calibration, CostModel, budget_function
 
     gen = torch.Generator().manual_seed(5)
@@ -905,6 +906,8 @@ def test_auto_budgets_with_a_tie_equal_the_torch_path(native, versus_plain):
         slope = float(torch.rand(1, generator=gen)) * 1e-4
         cost = CostModel((1, 200), (0.005, 0.005 + 199 * slope), (1, 8), (0.001, 0.003))
         sampled = torch.rand(num_reqs, generator=gen) < 0.5
+        # requests without drafter context: their nodes have no gain, and get none
+        complete = None if trial % 4 else torch.arange(num_reqs) % 2 == 0
         costs = {}
         if trial % 2:
             costs = dict(node_cost=torch.rand(num_reqs, generator=gen, dtype=torch.float64)
@@ -912,17 +915,19 @@ def test_auto_budgets_with_a_tie_equal_the_torch_path(native, versus_plain):
         tie = (0.005, 0.02, 0.1)[trial % 3]
 
         def budgets(tie=tie):
-            fn = budget_function(cost, calibration, sampled, versus_plain=versus_plain,
-                                 on_overhead=2e-3, tie=tie, **costs)
+            fn = budget_function(cost, calibration, sampled, complete,
+                                 versus_plain=versus_plain, on_overhead=2e-3, tie=tie, **costs)
             return fn(tree.scores, tree.depths)
 
         fused, ref = both_paths(native, budgets)
         assert torch.equal(fused, ref), (trial, fused, ref)
         assert fused.sum() >= budgets(0.0).sum(), trial
+        if complete is not None:
+            assert not fused[~complete].any(), (trial, fused)
 
         def cut_trees():
-            fn = budget_function(cost, calibration, sampled, versus_plain=versus_plain,
-                                 on_overhead=2e-3, tie=tie, **costs)
+            fn = budget_function(cost, calibration, sampled, complete,
+                                 versus_plain=versus_plain, on_overhead=2e-3, tie=tie, **costs)
             return build_tree(logits, fn, width)
 
         fused_tree, ref_tree = both_paths(native, cut_trees)

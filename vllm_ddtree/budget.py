@@ -246,8 +246,9 @@ def auto_budgets(gains: torch.Tensor, cost: CostModel, on_overhead: float = 0.0,
             rate of the first ranking (a Dinkelbach step); the better of the two wins. Both
             keep each request's best-first order.
         tie: 0, the best k; > 0, the largest k whose expected rate is at least ``1 - tie``
-            of the best one's (auto's ``TREE_TIE``: the nodes the model is unsure of, the
-            trees' tails, are kept where they cost at most that share by its own reckoning).
+            of the best one's, among the prefixes of nodes with a gain (auto's ``TREE_TIE``:
+            the nodes the model is unsure of, the trees' tails, are kept where they cost at
+            most that share by its own reckoning; a node of gain 0 is never one of them).
 
     The nodes of all requests are ranked by gain (ties: request, then node order); taking the
     first k costs ``T_verify(R + k) + T_draft(R) + on_overhead`` and emits ``R + S_k`` tokens in
@@ -277,10 +278,16 @@ def auto_budgets(gains: torch.Tensor, cost: CostModel, on_overhead: float = 0.0,
         rate = (num_reqs + taken) / time
         if versus_plain and rate.numel() > 1:  # no nodes is plain decoding's step, priced below
             rate = torch.cat([rate.new_full((1,), float("-inf")), rate[1:]])
-        best = rate.max()
-        if tie > 0.0:  # the largest k within tie of the best (a device op: no sync)
-            return order, torch.where(rate >= (1.0 - tie) * best, k, 0).max(), best
-        return order, rate.argmax(), best
+        best, keep = rate.max(), rate.argmax()
+        if tie > 0.0:  # the largest k within tie of the best (device ops: no sync), over
+            # nodes that have a gain: none of a request without drafter context, past its
+            # limit, or padding
+            ranked_gains = flat[order]
+            first_without = torch.where(ranked_gains > 0, k[-1], k[:-1]).min() if \
+                ranked_gains.numel() else k[-1]
+            within = (rate >= (1.0 - tie) * best) & (k <= first_without)
+            keep = torch.maximum(torch.where(within, k, 0).max(), keep)
+        return order, keep, best
 
     if node_cost is None or not flat.numel():
         order, keep, best = best_prefix(flat, None)

@@ -605,8 +605,9 @@ inline int64_t score_bin(float s, int64_t bins) {
 // least one node competes with it, since a step without nodes is plain decoding's);
 // node_cost: [R] float64 seconds each node of a request adds beyond its verify row (the
 // scheduler's grammar work), limit: [R] int64 the most nodes a request can send (both empty:
-// none); tie: > 0 takes the largest tree whose rate is within tie (a share) of the best one's
-// (0: the best). Returns the per-request budgets [R] int64.
+// none); tie: > 0 takes the largest tree whose rate is within tie (a share) of the best one's,
+// among the prefixes of nodes with a gain (0: the best). Returns the per-request budgets [R]
+// int64.
 Tensor auto_budgets(const Tensor& scores, const Tensor& depths, const Tensor& predicted,
                     const Tensor& observed, double prior, const Tensor& sampled,
                     const Tensor& complete, const Tensor& xs, const Tensor& ys,
@@ -692,8 +693,11 @@ Tensor auto_budgets(const Tensor& scores, const Tensor& depths, const Tensor& pr
         keep = k;
       }
     }
-    if (tie > 0.0) {  // the largest prefix within `tie` of the best rate
-      for (int64_t k = N; k > keep; --k) {
+    if (tie > 0.0) {  // the largest prefix within `tie` of the best rate, over nodes that have
+      // a gain (none of a request without drafter context, past its limit, or padding)
+      int64_t first_without = 0;
+      while (first_without < N && gains[ranked[first_without]] > 0.0) ++first_without;
+      for (int64_t k = std::min(N, first_without); k > keep; --k) {
         if (rates[k] >= (1.0 - tie) * best_rate) {
           keep = k;
           break;
