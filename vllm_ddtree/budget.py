@@ -282,10 +282,8 @@ def auto_budgets(gains: torch.Tensor, cost: CostModel, on_overhead: float = 0.0,
         if tie > 0.0:  # the largest k within tie of the best (device ops: no sync), over
             # nodes that have a gain: none of a request without drafter context, past its
             # limit, or padding
-            ranked_gains = flat[order]
-            first_without = torch.where(ranked_gains > 0, k[-1], k[:-1]).min() if \
-                ranked_gains.numel() else k[-1]
-            within = (rate >= (1.0 - tie) * best) & (k <= first_without)
+            with_gain = (flat[order] > 0).cumprod(0).sum()  # the leading nodes with a gain
+            within = (rate >= (1.0 - tie) * best) & (k <= with_gain)
             keep = torch.maximum(torch.where(within, k, 0).max(), keep)
         return order, keep, best
 
@@ -350,11 +348,11 @@ def budget_function(cost: CostModel, calibration: Calibration, sampled: torch.Te
         plain_time = cost.verify_time_host(num_reqs) + off_overhead if versus_plain else 0.0
         draft_time = cost.draft_time(num_reqs)
         none_f64, none_i64, none_bool = cost.empty(sampled.device)
-        everyone = none_bool  # an empty mask: every request's context is complete
         costs = (none_f64, none_i64) if node_cost is None else (node_cost, limit)
         return FusedAutoBudgets(ops, (
             calibration.predicted, calibration.observed, calibration.prior, sampled,
-            everyone if complete is None else complete.contiguous(), xs, ys, draft_time,
+            # an empty mask: every request's context is complete
+            none_bool if complete is None else complete.contiguous(), xs, ys, draft_time,
             on_overhead, plain_time, *costs, tie))
     factors = calibration.factors()
 

@@ -63,8 +63,9 @@ and from 0.951 to 0.962 with at most 24.
 Near-ties go to the larger tree: the budget function takes the largest tree (the longest
 prefix of the nodes ranked by gain) whose modelled rate is within ``TREE_TIE`` (1 %) of the
 best tree's, not the best tree itself, over nodes that have a gain (a request without drafter
-context, or past its structured-output limit, still gets none). The nodes the model is least sure of are the trees'
-tails (the calibration's cells with the least evidence), and they are the ones it cuts:
+context, or past its structured-output limit, still gets none). The nodes the model is least
+sure of are the trees' tails (the calibration's cells with the least evidence), and they are
+the ones it cuts:
 replaying recorded full-width trees of one request (``benchmarks/tree_replay.py``, two sets of
 prompts, nodes priced at 1, 1.5 and 2 times the recorded cost model), the nodes auto's best
 trees cut were accepted 1.3-1.7x as often as it predicted, and those trees made 0.9-2.7 % less
