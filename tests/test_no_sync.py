@@ -9,6 +9,7 @@ import pytest
 import torch
 from sync_checker import HostSyncError, no_host_sync
 
+from vllm_ddtree.budget import Calibration, CostModel, auto_budgets, budget_function, node_gains
 from vllm_ddtree.sampling import SamplingBatch, hsd_verify
 from vllm_ddtree.tree import build_tree
 from vllm_ddtree.walk import verify_tree
@@ -75,3 +76,37 @@ def test_hsd_has_no_host_sync(device):
     p = torch.rand(16, g + 1, vocab, device=device).softmax(-1)
     with no_host_sync():
         hsd_verify(ids, q, p)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_auto_budgets_have_no_host_sync_and_match_the_cpu(device):
+    """auto's step on the device (off the CPU its torch path): the calibration's update, the
+    budget function (node costs, limits, incomplete contexts, the tie) and the tree it cuts,
+    with no host sync; the budgets equal the CPU's for the same gains."""
+    batch, depth, vocab, width = 4, 15, 1000, 64
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(batch, depth, vocab, generator=gen) * 4).to(device)
+    cost = CostModel((1, 8, 64, 512), (2e-3, 2.1e-3, 2.6e-3, 9e-3), (1, 8), (1e-3, 1.4e-3))
+    cost.upload(torch.device(device))
+    calibration = Calibration(depth, torch.device(device))
+    sampled = torch.tensor([False, True, False, True], device=device)
+    complete = torch.tensor([True, True, False, True], device=device)
+    node_cost = torch.tensor([0.0, 2e-6, 0.0, 1e-5], dtype=torch.float64, device=device)
+    limit = torch.tensor([64, 64, 64, 5], device=device)
+    tree = build_tree(logits, width)
+    accepted = torch.full((batch, depth + 1), -1, device=device)
+    accepted[:, :3] = torch.tensor([0, 1, 3], device=device)
+    with no_host_sync():
+        calibration.observe(tree.scores, tree.depths, accepted, complete, sampled)
+        fn = budget_function(cost, calibration, sampled, complete, on_overhead=1e-4,
+                             off_overhead=5e-5, node_cost=node_cost, limit=limit, tie=0.01)
+        cut = build_tree(logits, fn, max_budget=width)
+    budgets = (cut.depths > 0).sum(1)
+    assert budgets[2] == 0 and budgets[3] <= 5 and budgets.sum() > 0
+
+    gains = node_gains(tree.scores, tree.depths, calibration.factors(), sampled)
+    gains = gains * complete[:, None]
+    for tie in (0.0, 0.01):
+        here = auto_budgets(gains, cost, on_overhead=1e-4, off_overhead=5e-5, tie=tie)
+        cpu = auto_budgets(gains.cpu(), cost, on_overhead=1e-4, off_overhead=5e-5, tie=tie)
+        assert here.cpu().tolist() == cpu.tolist()
