@@ -90,8 +90,11 @@ class CostModel:
         """The verify curve on ``device``, uploaded once (no per-step host-to-device copy)."""
         cache = self.__dict__.setdefault("_device_points", {})
         if device not in cache:
-            cache[device] = (torch.tensor(self.verify_tokens, dtype=torch.float64).to(device),
-                             torch.tensor(self.verify_seconds, dtype=torch.float64).to(device))
+            points = (torch.tensor(self.verify_tokens, dtype=torch.float64).to(device),
+                      torch.tensor(self.verify_seconds, dtype=torch.float64).to(device))
+            # under the device asked for and the one its tensors report ("cuda" is "cuda:0"
+            # there): a step's lookup by a tensor's device finds what upload() put there
+            cache[device] = cache[points[0].device] = points
         return cache[device]
 
     def empty(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -99,8 +102,9 @@ class CostModel:
         made once: a step's budget function does not allocate them."""
         cache = self.__dict__.setdefault("_device_empty", {})
         if device not in cache:
-            cache[device] = tuple(torch.empty(0, dtype=dtype, device=device)
-                                  for dtype in (torch.float64, torch.int64, torch.bool))
+            empty = tuple(torch.empty(0, dtype=dtype, device=device)
+                          for dtype in (torch.float64, torch.int64, torch.bool))
+            cache[device] = cache[empty[0].device] = empty
         return cache[device]
 
     def verify_time(self, num_tokens: torch.Tensor) -> torch.Tensor:
