@@ -16,6 +16,7 @@ from vllm_ddtree.plugin.options import DDTreeOptions
 from vllm_ddtree.plugin.policy import (
     EXPLORE_AFTER,
     FIRST_PAUSE,
+    MAX_LOSS_PAUSE,
     MAX_PAUSE,
     MIN_MEASURED,
     PAUSE_AFTER,
@@ -201,10 +202,13 @@ def test_a_drafter_that_loses_little_keeps_the_doubling_pauses():
 def test_pause_length_is_the_shortest_that_keeps_the_probes_loss_under_probe_loss():
     """``_pause_length`` after a probe's "no" against the loss share computed from the rates:
     the probes of the pause's cycle lose at most PROBE_LOSS of its time, and one step less
-    would lose more (unless the doubling pause or MAX_PAUSE bounds it). A first pause (no
-    probe yet) is FIRST_PAUSE whatever the rates."""
+    would lose more (unless the doubling pause or MAX_LOSS_PAUSE bounds it). The loss may ask
+    for more than the doubling's MAX_PAUSE (a drafter that loses 75 %: 1776 steps), up to
+    MAX_LOSS_PAUSE (one that loses 96 % would need 14250). A first pause (no probe yet) is
+    FIRST_PAUSE whatever the rates."""
+    pauses = []
     for on_s, on_tokens, off_s in [(0.016, 2.5, 0.005), (0.030, 40, 0.020), (0.012, 1.2, 0.010),
-                                   (0.011, 2.0, 0.005), (0.020, 1.0, 0.005)]:
+                                   (0.011, 2.0, 0.005), (0.020, 1.0, 0.005), (0.050, 1.0, 0.002)]:
         ctl = controller()
         ctl._measured[(1, True)] = MeasuredRate(on_s, on_tokens, MIN_MEASURED, MIN_MEASURED)
         ctl._measured[(1, False)] = MeasuredRate(off_s, 1.0, MIN_MEASURED, MIN_MEASURED)
@@ -217,9 +221,12 @@ def test_pause_length_is_the_shortest_that_keeps_the_probes_loss_under_probe_los
         def lost(n: int) -> float:
             return probe_s * max(loss, 0.0) / (n * off_s + probe_s)
 
-        assert FIRST_PAUSE <= pause <= MAX_PAUSE
-        assert lost(pause) <= policy.PROBE_LOSS or pause == MAX_PAUSE
-        assert pause == FIRST_PAUSE or pause == MAX_PAUSE or lost(pause - 1) > policy.PROBE_LOSS
+        assert FIRST_PAUSE <= pause <= MAX_LOSS_PAUSE
+        assert lost(pause) <= policy.PROBE_LOSS or pause == MAX_LOSS_PAUSE
+        assert (pause == FIRST_PAUSE or pause == MAX_LOSS_PAUSE
+                or lost(pause - 1) > policy.PROBE_LOSS)
+        pauses.append(pause)
+    assert pauses[-2:] == [1776, MAX_LOSS_PAUSE], pauses
 
 
 def test_a_probe_pays_for_resuming_the_drafter():
@@ -254,17 +261,23 @@ def test_resuming_is_measured_from_the_first_step_of_each_drafting_run():
     """Driven like the runner: a drafter slower than plain decoding (16 ms for 2.5 tokens
     against 5 ms for 1) whose drafting runs each begin with a step 20 ms longer than a plain
     one. The controller measures that 20 ms from its step stamps and the pauses after its
-    probes grow to cover it: each cycle (pause, probe, resume) loses at most PROBE_LOSS, or
-    the pause is MAX_PAUSE (where the 20 ms alone would need 396 steps beside the 401 the
-    rates ask for)."""
+    probes grow to cover it: each cycle (pause, probe, resume) loses at most PROBE_LOSS (the
+    20 ms alone need 396 steps beside the 401 the rates ask for: longer than the doubling's
+    MAX_PAUSE, at which a cycle would lose more)."""
     engine = Engine(resume_seconds=0.020)
-    ran = [engine.step(0.016, 2.5, 0.005) for _ in range(3000)]
+    ran = [engine.step(0.016, 2.5, 0.005) for _ in range(4000)]
     assert engine.ctl.resume_s[1] == pytest.approx(0.020)
     runs = alternating_runs(ran[ran.index(False) + FIRST_PAUSE:])
     pauses = [length for value, length in runs[1:-1] if not value]
-    assert pauses[0] == FIRST_PAUSE and pauses[1:] == [MAX_PAUSE] * (len(pauses) - 1)
     loss, probe_s = 0.21875, policy.PROBE_STEPS * 0.016
-    assert (probe_s * loss + 0.020) / (MAX_PAUSE * 0.005 + probe_s + 0.020) > policy.PROBE_LOSS
+
+    def lost(n: int) -> float:  # the share of a cycle's time that its probe loses
+        return (probe_s * loss + 0.020) / (n * 0.005 + probe_s + 0.020)
+
+    assert pauses[0] == FIRST_PAUSE and len(pauses) >= 4, pauses
+    assert all(MAX_PAUSE < n < MAX_LOSS_PAUSE and lost(n) <= policy.PROBE_LOSS
+               for n in pauses[1:]), pauses
+    assert lost(MAX_PAUSE) > policy.PROBE_LOSS
     # without the resume cost the same drafter's second pause is the rates' 401 steps or so
     engine = Engine()
     ran = [engine.step(0.016, 2.5, 0.005) for _ in range(1200)]
@@ -370,12 +383,13 @@ def test_a_plain_rate_measured_in_a_slow_spell_does_not_keep_the_drafter_on():
     assert sum(fast[:policy.MAX_REMEASURE - 100]) == policy.MAX_REMEASURE - 100
     # re-measured (a pause of FIRST_PAUSE): drafting loses 40 %, so each drafting step
     # answers "no" and the running rate of "draft" answers falls from ~1 to .8, .64, .51,
-    # .41: the fourth pauses it (FIRST_PAUSE); after its first probe the drafter pauses for
-    # the longest pause
+    # .41: the fourth pauses it (FIRST_PAUSE); after its first probe the drafter pauses as
+    # long as its probes' loss asks, longer than the doubling's longest pause
     assert policy.ANSWER_EMA == 0.2
     runs = alternating_runs(fast)
-    assert [length for _, length in runs[1:6]] == [
-        FIRST_PAUSE, 4, FIRST_PAUSE, policy.PROBE_STEPS, MAX_PAUSE], runs
+    assert [length for _, length in runs[1:5]] == [
+        FIRST_PAUSE, 4, FIRST_PAUSE, policy.PROBE_STEPS], runs
+    assert not runs[5][0] and MAX_PAUSE < runs[5][1] <= MAX_LOSS_PAUSE, runs
     measured = engine.ctl.summary()["measured_tokens_per_s"]
     assert measured["1-1 requests, plain"] == pytest.approx(1 / 0.002, rel=0.01)
 

@@ -31,17 +31,19 @@ bucket (R's power of two): a new regime of traffic gets its own answer. Once the
 decide (below), a probe drafts until ``MIN_MEASURED`` of its own verify steps are measured and
 answers with their rate alone (``_probing``); when a probe answers "no", the next pause is at
 least as long as keeps the measured loss of the probes under ``PROBE_LOSS`` of the time
-(``_pause_length``), what resuming the drafter costs included (``resume_s``, below). That loss
-is priced by drafting's long-run rate in the bucket (every measured drafting step, weight
-``LONG_RUN_EMA``, never restarted), not by the probe's own steps: the probe answered for the
-requests it met, the next probe meets the bucket's traffic. At one request a bad prompt
-answers "no" and the pauses double while it lasts, but a drafter that pays in the long run is
-not paused across the next prompts (pricing by the probe's steps paused one for 512 steps,
-eight prompts of 64 tokens, after one bad prompt on the tiny pair). A drafter
-that loses 11 % of the throughput while it drafts (auto's trees at 32 requests on the CPU)
-pauses for ~290 steps after its first probe; one that loses 2 % and costs nothing to resume
-still doubles from 8. ``PROBE_LOSS`` is 1 %: where drafting never pays, auto's floor (a step
-that drafts nothing still carries vLLM's speculative bookkeeping: 0.96-0.97 of plain
+(``_pause_length``), what resuming the drafter costs included (``resume_s``, below), up to
+``MAX_LOSS_PAUSE`` steps: past the doubling's ``MAX_PAUSE`` where drafting loses much (half the
+throughput at 8 requests on the CPU asks for ~1400 steps; capped at 512 its probes lost ~2.6 %
+of the time). That loss is priced by drafting's long-run rate in the bucket (every measured
+drafting step, weight ``LONG_RUN_EMA``, never restarted), not by the probe's own steps: the
+probe answered for the requests it met, the next probe meets the bucket's traffic. At one
+request a bad prompt answers "no" and the pauses double while it lasts, but a drafter that
+pays in the long run is not paused across the next prompts (pricing by the probe's steps
+paused one for 512 steps, eight prompts of 64 tokens, after one bad prompt on the tiny pair).
+A drafter that loses 11 % of the throughput while it drafts (auto's trees at 32 requests on
+the CPU) pauses for ~290 steps after its first probe; one that loses 2 % and costs nothing
+to resume still doubles from 8. ``PROBE_LOSS`` is 1 %: where drafting never pays, auto's floor
+(a step that drafts nothing still carries vLLM's speculative bookkeeping: 0.96-0.97 of plain
 decoding's throughput on the CPU, docs/measurements.md) less the probes is where auto runs.
 The first pause of a sequence stays ``FIRST_PAUSE``: at one request the running rate follows
 each prompt's acceptance, and one bad prompt must not pause a drafter that pays for long.
@@ -133,6 +135,7 @@ from vllm_ddtree.plugin.options import DDTreeOptions
 logger = logging.getLogger("vllm.ddtree")  # under vLLM's logger: its handlers and format
 
 FIRST_PAUSE, MAX_PAUSE = 8, 512  # steps: auto's pause after a "do not draft" answer, doubling
+MAX_LOSS_PAUSE = 2048  # steps: the longest pause that the probes' measured loss may ask for
 PAUSE_AFTER = 2  # consecutive "do not draft" answers before the first pause of a bucket
 ANSWER_EMA = 0.2  # weight of each answer in a bucket's running rate of "draft" answers
 OVERHEAD_EMA = 0.1  # weight of each new step-time observation in the online correction
@@ -419,9 +422,10 @@ class BudgetController:
         first step takes ``resume`` seconds more than a plain one (:attr:`resume_s`); over a
         pause of ``n`` plain steps (``t_off`` each) and the probe that ends it, that is
         ``PROBE_LOSS`` when ``n * t_off = PROBE_STEPS * t_on * (loss / PROBE_LOSS - 1)
-        + resume * (1 / PROBE_LOSS - 1)``. Example: steps of 16 ms for 3 tokens against 5 ms
-        for 1 (loss 0.0625): 101 steps; with resuming at 5 ms more: 200."""
-        pause = self._pause.get(bucket, FIRST_PAUSE)
+        + resume * (1 / PROBE_LOSS - 1)``, at most ``MAX_LOSS_PAUSE``. Example: steps of 16 ms
+        for 3 tokens against 5 ms for 1 (loss 0.0625): 101 steps; with resuming at 5 ms more:
+        200."""
+        pause = min(self._pause.get(bucket, FIRST_PAUSE), MAX_PAUSE)
         if bucket in self._pause and self._measured_both(bucket):
             # the loss by drafting's long-run rate: the probe's own steps answered for the
             # requests it met; the next probe meets the bucket's traffic, which the long run
@@ -432,8 +436,9 @@ class BudgetController:
             lost = (PROBE_STEPS * on.seconds * (loss / PROBE_LOSS - 1.0)
                     + self.resume_s.get(bucket, 0.0) * (1.0 / PROBE_LOSS - 1.0))
             if lost > 0.0:
-                pause = max(pause, math.ceil(lost / max(off.seconds, 1e-12)))
-        return min(pause, MAX_PAUSE)
+                pause = max(pause, min(math.ceil(lost / max(off.seconds, 1e-12)),
+                                       MAX_LOSS_PAUSE))
+        return pause
 
     def _probing(self, bucket: int) -> bool:
         """Whether this drafting step of a probe after a pause defers its answer: once both
