@@ -28,6 +28,7 @@ from tree_utils import (
     random_logits,
 )
 
+import vllm_ddtree.tree as tree_module
 from vllm_ddtree.kernels.native import cpu_ops
 from vllm_ddtree.plugin.options import DDTreeOptions
 from vllm_ddtree.plugin.state import TreeState, VerifyBatch, best_path
@@ -55,12 +56,29 @@ def native(monkeypatch):
 
 
 def both_paths(native, fn):
-    """``(fn() with the fused kernels, fn() on the torch path)``."""
+    """``(fn() with the fused kernels, fn() on the torch path)``. The drafter's top-k
+    log-probabilities (``_top_log_probs``) enter the torch path as the fused run computed them:
+    ``top_log_probs_`` equals its torch path to ~1e-6, not bit for bit (its own exp;
+    :func:`test_top_log_probs_equals_the_torch_path`), so every later stage is compared bit for
+    bit on the same inputs."""
+    real = tree_module._top_log_probs
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
     native.on()
-    fused = fn()
-    native.off()
-    torch_path = fn()
-    native.on()
+    tree_module._top_log_probs = recording
+    try:
+        fused = fn()
+        native.off()
+        replay = iter(seen)
+        tree_module._top_log_probs = lambda *args, **kwargs: next(replay)
+        torch_path = fn()
+    finally:
+        tree_module._top_log_probs = real
+        native.on()
     return fused, torch_path
 
 
@@ -219,8 +237,7 @@ def _rows(kind: str, n: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
 def test_top_k_equals_torch_topk(native, vocab, kind):
     """``top_k_`` gives torch.topk's values (sorted, bit for bit) and ids; where a tie crosses
     the top-k boundary it says so (the caller then runs torch.topk), and its ids are the
-    lowest of the tied ones. Through ``_top_log_probs``, both paths are equal bit for bit."""
-    from vllm_ddtree.tree import _top_log_probs
+    lowest of the tied ones."""
 
     gen = torch.Generator().manual_seed(vocab)
     rows = _rows(kind, 6, vocab, gen)
@@ -240,12 +257,45 @@ def test_top_k_equals_torch_topk(native, vocab, kind):
         assert tied == crossing, (kind, k)
         if kind == "randn":
             assert not tied
-    logits = rows.view(2, 3, vocab)
-    k = min(16, vocab)
-    fused, torch_path = both_paths(native, lambda: _top_log_probs(logits, k, 0.85))
-    # (a row of -inf or with a NaN has NaN log-probabilities; equal values in any order)
-    torch.testing.assert_close(fused[0], torch_path[0], rtol=0, atol=0, equal_nan=True)
-    assert torch.equal(fused[1].sort(-1).values, torch_path[1].sort(-1).values), kind
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 8, 9, 100, 4096])
+@pytest.mark.parametrize("kind", ["randn", "ties", "inf", "nan"])
+@pytest.mark.parametrize("temperature", [1.0, 0.85])
+def test_top_log_probs_equals_the_torch_path(native, vocab, kind, temperature):
+    """``_top_log_probs`` on the CPU (the fused ``top_log_probs_``) against its torch path
+    (log-softmax, then torch.topk): the same token ids, the values within 2e-6 (the op's own
+    exp). Where the op declines (a NaN, a row with no finite logit, a tie of the k-th value with
+    the next: torch.topk's choice) the torch path runs, and the two are equal bit for bit."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = _rows(kind, 6, vocab, gen).mul(4).view(2, 3, vocab)
+    for k in sorted({1, min(3, vocab), min(16, vocab), vocab}):
+        values, ids = torch.empty(6, k), torch.empty(6, k, dtype=torch.int64)
+        declined = native.ops.top_log_probs_(values, ids, logits.flatten(0, 1), temperature)
+        if kind == "randn":
+            assert not declined
+        if kind in ("inf", "nan"):  # a row of -inf or +inf, a NaN
+            assert declined
+        native.on()
+        fused = tree_module._top_log_probs(logits, k, temperature)
+        native.off()
+        torch_path = tree_module._top_log_probs(logits, k, temperature)
+        native.on()
+        # (a row of -inf or with a NaN has NaN log-probabilities; equal values in any order)
+        atol = 0.0 if declined else 2e-6
+        torch.testing.assert_close(fused[0], torch_path[0], rtol=0, atol=atol, equal_nan=True)
+        assert torch.equal(fused[1].sort(-1).values, torch_path[1].sort(-1).values), (kind, k)
+        if not declined:  # what the op wrote is what _top_log_probs returned
+            assert torch.equal(values.view(2, 3, k), fused[0])
+
+
+def test_top_log_probs_refuses_bad_arguments(native):
+    with pytest.raises(RuntimeError, match="float32"):
+        native.ops.top_log_probs_(torch.empty(2, 2), torch.empty(2, 2, dtype=torch.int64),
+                                  torch.randn(2, 4, dtype=torch.bfloat16), 1.0)
+    with pytest.raises(RuntimeError, match="temperature"):
+        native.ops.top_log_probs_(torch.empty(2, 2), torch.empty(2, 2, dtype=torch.int64),
+                                  torch.randn(2, 4), 0.0)
 
 
 def test_top_k_refuses_bad_arguments(native):

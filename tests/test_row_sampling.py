@@ -139,7 +139,9 @@ def test_seeded_rows_do_not_depend_on_the_batch_or_the_chunks(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ranked_log_probs_chunks_are_bit_identical(monkeypatch, rows_per_chunk, dtype):
     """The drafter's log-softmax + top-k, one chunk of (request, depth) rows at a time, equals
-    the whole ``[batch, L, vocab]`` at once bit for bit (ties in bf16 included)."""
+    the whole ``[batch, L, vocab]`` at once bit for bit (ties in bf16 included). The torch path:
+    on the CPU float32 logits take the fused ``top_log_probs_``, which has no chunks."""
+    monkeypatch.setenv("VLLM_DDTREE_NATIVE", "0")
     gen = torch.Generator().manual_seed(2)
     logits = (torch.randn(3, 5, 500, generator=gen) * 4).to(dtype)
     monkeypatch.setattr(sampling_module, "ROW_CHUNK_ELEMENTS", logits.numel())  # one chunk

@@ -128,7 +128,8 @@ def _assert_equal_to_reference(tree: DraftTree, ref: list[dict]) -> None:
         assert tree.token_ids[r, :n].tolist() == expect["token_ids"]
         assert tree.parents[r, :n].tolist() == expect["parents"]
         assert tree.depths[r, :n].tolist() == expect["depths"]
-        assert tree.scores[r, :n].tolist() == expect["scores"]
+        # the fused CPU op's log-probabilities equal log_softmax's to ~1e-6 (its own exp)
+        assert tree.scores[r, :n].tolist() == pytest.approx(expect["scores"], rel=0, abs=1e-5)
 
 
 @pytest.mark.parametrize("budget", [1, 2, 3, 17, 64, 256, 1000, 1024])

@@ -159,20 +159,27 @@ def _top_log_probs(draft_logits: torch.Tensor, k: int,
     ``torch.topk``'s order (equal values in any order): ``(values [batch, L, k] float32,
     token_ids [batch, L, k] int64)``.
 
-    One fused log-softmax, then top-k (measured on CPU: 2x faster than top-k of the raw logits
-    minus a logsumexp, which PyTorch runs as several unfused passes; on the CPU the top-k is
-    the fused op ``top_k_``, or torch.topk where a tie crosses the top-k boundary), one chunk of
-    ``(request, depth)`` rows at a time (:func:`vllm_ddtree.sampling.row_chunks`): the float32
-    log-probabilities of a chunk are the only vocabulary-sized temporary, so the extra memory
-    is bounded whatever the batch (the whole ``[batch, L, vocab]`` at once was 2x bf16 logits).
-    Row-wise ops, so the values are the same as without chunks, bit for bit; top-k writes each
-    chunk straight into the outputs (``out=``, no copy).
+    On the CPU with float32 logits, one fused op (``top_log_probs_``: per row, one pass for the
+    top k + 1 logits, one for the softmax's denominator, no temporary; its values equal this
+    function's torch path to ~1e-6, its own exp), unless it declines (no AVX2, a NaN, a tie
+    across the top-k boundary). Otherwise one fused log-softmax, then top-k (measured on CPU:
+    2x faster than top-k of the raw logits minus a logsumexp, which PyTorch runs as several
+    unfused passes; on the CPU the top-k is the fused op ``top_k_``, or torch.topk where a tie
+    crosses the top-k boundary), one chunk of ``(request, depth)`` rows at a time
+    (:func:`vllm_ddtree.sampling.row_chunks`): the float32 log-probabilities of a chunk are the
+    only vocabulary-sized temporary, so the extra memory is bounded whatever the batch (the
+    whole ``[batch, L, vocab]`` at once was 2x bf16 logits). Row-wise ops, so the values are the
+    same as without chunks, bit for bit; top-k writes each chunk straight into the outputs
+    (``out=``, no copy).
     """
     batch, depth, vocab = draft_logits.shape
     flat = draft_logits.flatten(0, 1)  # [batch * L, vocab], a view of contiguous logits
     values = torch.empty(batch * depth, k, dtype=torch.float32, device=draft_logits.device)
     token_ids = torch.empty(batch * depth, k, dtype=torch.int64, device=draft_logits.device)
     ops = cpu_ops(draft_logits.device)  # the CPU's top-k: one pass per row, no sort
+    if (ops is not None and flat.dtype == torch.float32 and flat.stride(-1) == 1
+            and not ops.top_log_probs_(values, token_ids, flat, temperature)):
+        return values.view(batch, depth, k), token_ids.view(batch, depth, k)
     for start, end in row_chunks(batch * depth, vocab):
         chunk = flat[start:end]
         if temperature != 1.0:  # in float32: bf16 logits / t would round again
