@@ -289,6 +289,19 @@ def test_top_log_probs_equals_the_torch_path(native, vocab, kind, temperature):
             assert torch.equal(values.view(2, 3, k), fused[0])
 
 
+def test_top_log_probs_declines_a_largest_logit_that_overflows(native):
+    """A finite logit that ``/ temperature`` takes past float32's range: the op declines, and
+    ``_top_log_probs`` is the torch path's (NaN for that row, as log_softmax gives)."""
+    logits = torch.tensor([[[1e38, 0.0, -1.0, 2.0]]])
+    values, ids = torch.empty(1, 2), torch.empty(1, 2, dtype=torch.int64)
+    assert native.ops.top_log_probs_(values, ids, logits.flatten(0, 1), 0.01)
+    fused = tree_module._top_log_probs(logits, 2, 0.01)
+    native.off()
+    torch_path = tree_module._top_log_probs(logits, 2, 0.01)
+    native.on()
+    torch.testing.assert_close(fused[0], torch_path[0], rtol=0, atol=0, equal_nan=True)
+
+
 def test_top_log_probs_refuses_bad_arguments(native):
     with pytest.raises(RuntimeError, match="float32"):
         native.ops.top_log_probs_(torch.empty(2, 2), torch.empty(2, 2, dtype=torch.int64),

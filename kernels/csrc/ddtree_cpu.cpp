@@ -1437,7 +1437,8 @@ bool top_k_(Tensor values, Tensor ids, const Tensor& scores) {
 // (x / t - top) - log(sum) as ATen's log-softmax computes it, the sum with this file's exp
 // (~1 ulp; ATen's differs in the last bits, so the values equal the torch path's to ~1e-6, not
 // bit for bit). Returns true, having written nothing the caller may use, where it declines:
-// no AVX2, a row with a NaN or no finite logit, or a tie of the k-th value with the next
+// no AVX2, a row with a NaN or no finite logit (or whose largest overflows when divided by the
+// temperature), or a tie of the k-th value with the next
 // (which of the tied ones torch.topk keeps is its own choice); the caller then runs the torch
 // path. temperature > 0.
 bool top_log_probs_(Tensor values, Tensor ids, const Tensor& logits, double temperature) {
@@ -1469,12 +1470,12 @@ bool top_log_probs_(Tensor values, Tensor ids, const Tensor& logits, double temp
     for (int64_t r = begin; r < end && !declined.load(std::memory_order_relaxed); ++r) {
       const float* row = x + r * stride;
       row_top(row, V, K, heap, true);
-      const float best = heap[0].first;  // NaN sorts first; -inf: no finite logit
-      if (std::isnan(best) || std::isinf(best)) {
+      // NaN sorts first; -inf: no finite logit; +inf, or a division that overflows
+      const float top = t == 1.0f ? heap[0].first : heap[0].first / t;
+      if (!std::isfinite(top)) {
         declined = true;
         return;
       }
-      const float top = t == 1.0f ? best : best / t;
       const float log_sum = std::log(sum_exp_avx2(row, V, t, top));
       const auto value = [&](float v) { return ((t == 1.0f ? v : v / t) - top) - log_sum; };
       for (int64_t j = 0; j < k; ++j) {
