@@ -698,7 +698,7 @@ Tensor auto_budgets(const Tensor& scores, const Tensor& depths, const Tensor& pr
       // a gain (none of a request without drafter context, past its limit, or padding)
       int64_t first_without = 0;
       while (first_without < N && gains[ranked[first_without]] > 0.0) ++first_without;
-      for (int64_t k = std::min(N, first_without); k > keep; --k) {
+      for (int64_t k = first_without; k > keep; --k) {
         if (rates[k] >= (1.0 - tie) * best_rate) {
           keep = k;
           break;
@@ -1194,19 +1194,6 @@ inline float sum_exp_avx2(const float* row, int64_t V, float t, float top) {
   return sum;
 }
 
-// How many of row[0, V) equal value (NaN: how many are NaN)
-inline int64_t count_equal_avx2(const float* row, int64_t V, float value) {
-  const bool nan = std::isnan(value);
-  const __m256 b = _mm256_set1_ps(value);
-  int64_t count = 0, i = 0;
-  for (; i + 8 <= V; i += 8) {
-    const __m256 x = _mm256_loadu_ps(row + i);
-    count += __builtin_popcount(_mm256_movemask_ps(
-        nan ? _mm256_cmp_ps(x, x, _CMP_UNORD_Q) : _mm256_cmp_ps(x, b, _CMP_EQ_OQ)));
-  }
-  for (; i < V; ++i) count += nan ? std::isnan(row[i]) : row[i] == value;
-  return count;
-}
 #pragma GCC pop_options
 
 template <typename T>
@@ -1379,10 +1366,10 @@ void row_top(const float* row, int64_t V, int64_t k, std::vector<TopItem>& heap,
 
 // torch.topk(scores, k, dim=-1) of float32 rows [N, V] into values [N, k] (float32) and ids
 // [N, k] (int64), in the order (value desc, id asc), NaN the largest value (as in torch.topk).
-// One pass per row (row_top); torch.topk took ~55 us for [7, 4096], k = 16 here. Returns true
-// when a row has more values equal to its k-th than the top k holds (a tie across the
-// boundary): which of them torch.topk keeps is its own choice, so the caller runs torch.topk
-// instead (this op keeps the lowest ids).
+// One pass per row (row_top, for the top k + 1); torch.topk took ~55 us for [7, 4096], k = 16
+// here. Returns true when a row has more values equal to its k-th than the top k holds (a tie
+// across the boundary: the (k + 1)-th equals the k-th): which of them torch.topk keeps is its
+// own choice, so the caller runs torch.topk instead (this op keeps the lowest ids).
 bool top_k_(Tensor values, Tensor ids, const Tensor& scores) {
   check_cpu(scores, "scores");
   check_cpu(values, "values");
@@ -1403,27 +1390,20 @@ bool top_k_(Tensor values, Tensor ids, const Tensor& scores) {
 #ifdef DDTREE_AVX2
   avx2 = cpu_has_avx2();
 #endif
+  const int64_t K = std::min(k + 1, V);  // the (k + 1)-th: a tie across the boundary
   at::parallel_for(0, N, 4, [&](int64_t begin, int64_t end) {
     std::vector<TopItem> heap;
-    heap.reserve(k);
+    heap.reserve(K);
     for (int64_t r = begin; r < end; ++r) {
-      const float* row = x + r * V;
-      row_top(row, V, k, heap, avx2);
+      row_top(x + r * V, V, K, heap, avx2);
       for (int64_t j = 0; j < k; ++j) {
         vo[r * k + j] = heap[j].first;
         io[r * k + j] = heap[j].second;
       }
-      const float last = heap[k - 1].first;
-      const bool last_nan = std::isnan(last);
-      const auto same = [&](float v) { return last_nan ? std::isnan(v) : v == last; };
-      int64_t kept = 0, all = 0;
-      for (int64_t j = 0; j < k; ++j) kept += same(heap[j].first);
-#ifdef DDTREE_AVX2
-      if (avx2) all = count_equal_avx2(row, V, last);
-      else
-#endif
-        for (int64_t i = 0; i < V; ++i) all += same(row[i]);
-      if (all > kept) tied = true;
+      if (K > k) {
+        const float last = heap[k - 1].first, next = heap[k].first;
+        if (std::isnan(last) ? std::isnan(next) : next == last) tied = true;
+      }
     }
   });
   return tied.load();
@@ -1438,9 +1418,8 @@ bool top_k_(Tensor values, Tensor ids, const Tensor& scores) {
 // (~1 ulp; ATen's differs in the last bits, so the values equal the torch path's to ~1e-6, not
 // bit for bit). Returns true, having written nothing the caller may use, where it declines:
 // no AVX2, a row with a NaN or no finite logit (or whose largest overflows when divided by the
-// temperature), or a tie of the k-th value with the next
-// (which of the tied ones torch.topk keeps is its own choice); the caller then runs the torch
-// path. temperature > 0.
+// temperature), or a tie of the k-th value with the next (which of the tied ones torch.topk
+// keeps is its own choice); the caller then runs the torch path. temperature > 0.
 bool top_log_probs_(Tensor values, Tensor ids, const Tensor& logits, double temperature) {
   check_cpu(values, "values");
   check_cpu(ids, "ids");
