@@ -86,26 +86,28 @@ class CostModel:
             if any(not y > 0 for y in ys):
                 raise ValueError(f"{name} times must be positive, got {ys}")
 
+    def _on_device(self, name: str, device: torch.device, make) -> tuple[torch.Tensor, ...]:
+        """``make()``'s tensors on ``device``, made once and kept under ``name``, under the
+        device asked for and the one its tensors report ("cuda" is "cuda:0" there): a step's
+        lookup by a tensor's device finds what :meth:`upload` put there."""
+        cache = self.__dict__.setdefault(name, {})
+        if device not in cache:
+            made = make()
+            cache[device] = cache[made[0].device] = made
+        return cache[device]
+
     def _points(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The verify curve on ``device``, uploaded once (no per-step host-to-device copy)."""
-        cache = self.__dict__.setdefault("_device_points", {})
-        if device not in cache:
-            points = (torch.tensor(self.verify_tokens, dtype=torch.float64).to(device),
-                      torch.tensor(self.verify_seconds, dtype=torch.float64).to(device))
-            # under the device asked for and the one its tensors report ("cuda" is "cuda:0"
-            # there): a step's lookup by a tensor's device finds what upload() put there
-            cache[device] = cache[points[0].device] = points
-        return cache[device]
+        return self._on_device("_device_points", device, lambda: (
+            torch.tensor(self.verify_tokens, dtype=torch.float64).to(device),
+            torch.tensor(self.verify_seconds, dtype=torch.float64).to(device)))
 
     def empty(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Empty float64, int64 and bool tensors on ``device`` (the fused op's "none" inputs),
         made once: a step's budget function does not allocate them."""
-        cache = self.__dict__.setdefault("_device_empty", {})
-        if device not in cache:
-            empty = tuple(torch.empty(0, dtype=dtype, device=device)
-                          for dtype in (torch.float64, torch.int64, torch.bool))
-            cache[device] = cache[empty[0].device] = empty
-        return cache[device]
+        return self._on_device("_device_empty", device, lambda: tuple(
+            torch.empty(0, dtype=dtype, device=device)
+            for dtype in (torch.float64, torch.int64, torch.bool)))
 
     def verify_time(self, num_tokens: torch.Tensor) -> torch.Tensor:
         """Seconds of a target step of ``num_tokens`` tokens (any shape, float64, on its device)."""
