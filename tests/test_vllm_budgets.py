@@ -177,29 +177,50 @@ def test_a_paused_drafter_keeps_its_context(baseline, synthetic_auto):
         assert not torch.allclose(holed[req_id][0][:n], k[:n], atol=1e-2), req_id
 
 
-def test_a_paused_drafters_steps_are_prepared_as_plain_decoding(baseline, monkeypatch):
+def test_a_paused_drafters_steps_run_as_plain_decoding(baseline, monkeypatch):
     """[[2, 16], [256, 0]] with 6 requests: the drafter never drafts, and every step (prefill
-    and decode) is prepared by vLLM's branch without speculation (no spec-decode metadata).
-    With 2 requests the drafter drafts: every step carries metadata (the drafter's input
+    and decode) runs as a step without speculation from its preparation (vLLM's branch without
+    spec-decode metadata) through its forward and sampling (the runner has no speculative
+    config there, so vLLM never calls the drafter: the plugin runs the drafter's context pass
+    after sampling), and gets its speculative config back after sampling. With 2 requests the
+    drafter drafts: every step carries metadata and speculation throughout (the drafter's input
     preparation and the verify steps need it). Outputs stay those of plain decoding."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    prepared = []
-    patched = GPUModelRunner._prepare_inputs
+    prepared, sampled, proposed = [], [], []
+    patched_prepare = GPUModelRunner._prepare_inputs
+    patched_sample = GPUModelRunner._sample
+    patched_propose = GPUModelRunner.propose_draft_token_ids
 
-    def recording(self, scheduler_output, num_scheduled_tokens):
-        result = patched(self, scheduler_output, num_scheduled_tokens)
+    def prepare(self, scheduler_output, num_scheduled_tokens):
+        result = patched_prepare(self, scheduler_output, num_scheduled_tokens)
         prepared.append(result[1] is None)
         return result
 
-    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", recording)
+    def sample(self, logits, spec_decode_metadata):
+        sampled.append(self.speculative_config is None)
+        return patched_sample(self, logits, spec_decode_metadata)
+
+    def propose(self, *args, **kwargs):
+        proposed.append(1)
+        return patched_propose(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPUModelRunner, "_prepare_inputs", prepare)
+    monkeypatch.setattr(GPUModelRunner, "_sample", sample)
+    monkeypatch.setattr(GPUModelRunner, "propose_draft_token_ids", propose)
     llm = make_llm(ddtree_spec(16, ddtree_budget_policy=[[2, 16], [256, 0]]), **ENGINE)
-    prepared.clear()  # the engine's warm-up steps
+    runner = _runner(llm)
+    spec_config = runner.speculative_config
+    assert spec_config is not None
+    prepared.clear(), sampled.clear(), proposed.clear()  # the engine's warm-up steps
     assert _token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == baseline
     assert len(prepared) >= GREEDY.max_tokens and all(prepared)
-    prepared.clear()
+    assert len(sampled) == len(prepared) and all(sampled) and not proposed
+    assert runner.speculative_config is spec_config
+    prepared.clear(), sampled.clear()
     assert _token_ids(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)) == baseline[:2]
-    assert prepared and not any(prepared)
+    assert prepared and not any(prepared) and not any(sampled)
+    assert len(proposed) == len(prepared)
     assert spec_metrics(llm)["vllm:spec_decode_num_drafts"] > 0
     close(llm)
 

@@ -34,13 +34,14 @@ every symbol the plugin relies on must be as ``versions.REQUIREMENTS`` describes
    Triton kernels, the verify-step stages' too (engine start, not mid-serving).
 6. ``GPUModelRunner._prepare_inputs``: build the verify trees; depth positions in place.
    A step in which no request has drafts and the budget policy does not draft at its end (a
-   paused drafter) is prepared as vLLM prepares a step without speculation (no spec-decode
-   metadata and none of its index arithmetic).
+   paused drafter) runs as a step without speculation, from its preparation (no spec-decode
+   metadata and none of its index arithmetic) to the end of ``sample_tokens``.
 7. ``GPUModelRunner._sample``: after the walk, compact the accepted path's K/V; a step without
    drafts samples with vLLM's own sampler, seeded requests with position-keyed noise as in
    verify steps (``sampler.sample_seeded``), thinking budgets by the state plain decoding has
-   (``features.forced_tokens``). ``GPUModelRunner.sample_tokens``: the step's emitted
-   token count (vLLM's host lists) goes to the "auto" policy's measured rates.
+   (``features.forced_tokens``). ``GPUModelRunner.sample_tokens``: restores the speculative
+   config after a paused drafter's step and runs the drafter's paused step (8c); the step's
+   emitted token count (vLLM's host lists) goes to the "auto" policy's measured rates.
 8. ``GPUModelRunner._input_fits_in_drafter``: the drafter needs depth + 1 slots past the
    committed tokens, not budget + 1 past every verified node.
 8b. ``GPUModelRunner.take_draft_token_ids``: each request sends only its real nodes (its
@@ -48,8 +49,10 @@ every symbol the plugin relies on must be as ``versions.REQUIREMENTS`` describes
 8c. ``GPUModelRunner.propose_draft_token_ids``: a step in which the budget policy drafts
    nothing runs only the drafter's context pass (``DDTreeProposer.store_context``), or in
    auto's long pauses not even that (``DDTreeProposer.skip_context``), and sends empty
-   drafts, skipping vLLM's drafter input preparation; ``take_draft_token_ids`` then sends
-   none. What the step does is planned in ``_prepare_inputs`` (``TreeState.plan_step``).
+   drafts, skipping vLLM's drafter input preparation (``_paused_drafter_step``; a step that
+   verified nothing runs it from ``sample_tokens``, vLLM never calls the drafter there);
+   ``take_draft_token_ids`` then sends none. What the step does is planned in
+   ``_prepare_inputs`` (``TreeState.plan_step``).
 8d. ``Worker.compile_or_warm_up_model`` (GPU and CPU workers): after vLLM's warm-up, the
    "auto" budget policy measures the step costs of this engine (``costs.py``; under tensor
    parallelism reduced over the ranks and compared before serving).
@@ -594,15 +597,19 @@ def _wrap_prepare_inputs(original):
         if any(scheduler_output.scheduled_spec_decode_tokens.values()) or plan == "draft":
             result = original(self, scheduler_output, num_scheduled_tokens)
         else:
-            # A plain decoding step (no drafts to verify, none to make at its end): vLLM's own
-            # preparation without speculation (it reads speculative_config only to choose that
-            # branch, checked at install), no spec-decode metadata and its index arithmetic.
-            # Sampling then takes vLLM's plain path and the drafter only stores its context.
-            spec_config, self.speculative_config = self.speculative_config, None
+            # A plain decoding step (no drafts to verify, none to make at its end): vLLM runs
+            # it without speculation from here to the end of sample_tokens, which restores the
+            # config (what each step reads of it is checked at install, versions.py): its
+            # preparation has no spec-decode metadata and index arithmetic, the forward no
+            # placeholder clamp, and sampling neither vLLM's drafter hand-off nor its
+            # deferred K/V-connector finalisation (done after the forward, as plain decoding
+            # does); the drafter's paused step (_paused_drafter_step) follows the sampling.
+            state.held_spec_config, self.speculative_config = self.speculative_config, None
             try:
                 result = original(self, scheduler_output, num_scheduled_tokens)
-            finally:
-                self.speculative_config = spec_config
+            except BaseException:
+                self.speculative_config, state.held_spec_config = state.held_spec_config, None
+                raise
         _, spec_decode_metadata, _ = result
         if scheduler_output.finished_req_ids:  # the only requests vLLM's runner forgets
             state.forget_finished(self.requests)  # finished and aborted requests
@@ -740,8 +747,21 @@ def _without_spec_thinking_state(sampling_metadata, logits):
 def _wrap_sample_tokens(original):
     @functools.wraps(original)
     def sample_tokens(self, *args, **kwargs):
-        output = original(self, *args, **kwargs)
         state = getattr(self, "ddtree_state", None)
+        if state is not None and state.held_spec_config is not None:
+            # a plain decoding step (_wrap_prepare_inputs): vLLM samples without speculation,
+            # then the drafter's paused step, as propose_draft_token_ids would run it
+            model_state = self.execute_model_state
+            try:
+                output = original(self, *args, **kwargs)
+            finally:
+                self.speculative_config, state.held_spec_config = state.held_spec_config, None
+            if model_state is not None:
+                state.budgets.drafting(False)
+                self._draft_token_ids = _paused_drafter_step(
+                    self, state, model_state.scheduler_output, model_state.aux_hidden_states)
+        else:
+            output = original(self, *args, **kwargs)
         sampled = getattr(output, "sampled_token_ids", None)
         # async scheduling is refused, so the ids are a list; only auto measures its steps
         if state is not None and state.budgets.name == "auto" and isinstance(sampled, list):
@@ -829,15 +849,24 @@ def _wrap_propose_draft_token_ids(original):
             return original(self, scheduler_output, sampled_token_ids, sampling_metadata,
                             hidden_states, sample_hidden_states, aux_hidden_states,
                             *args, **kwargs)
+        # a verify step after which the policy drafts nothing (a probe answered "no")
+        return _paused_drafter_step(self, state, scheduler_output, aux_hidden_states)
+
+    return propose_draft_token_ids
+
+
+def _paused_drafter_step(runner, state, scheduler_output, aux_hidden_states) -> list:
+    """The drafter's work at the end of a step whose plan is not to draft: its context pass
+    alone (deferred, ``DDTreeProposer.store_context``), or in auto's long pauses not even that
+    (``skip_context``). Returns the step's drafts, none per request (a list needs no copy;
+    ``take_draft_token_ids`` then sends nothing)."""
+    if state.plan == "cold":
+        runner.drafter.skip_context(scheduler_output, aux_hidden_states)
+    else:
         import torch
 
         num_tokens = scheduler_output.total_num_scheduled_tokens
-        if state.plan == "cold":
-            self.drafter.skip_context(scheduler_output, aux_hidden_states)
-            return [[] for _ in self.input_batch.req_ids]
         # a new tensor (the aux outputs are the model's buffers): the drafter may keep it
-        self.drafter.store_context(torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1),
-                                   num_tokens)
-        return [[] for _ in self.input_batch.req_ids]  # no drafts: a list needs no copy
-
-    return propose_draft_token_ids
+        runner.drafter.store_context(
+            torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1), num_tokens)
+    return [[] for _ in runner.input_batch.req_ids]

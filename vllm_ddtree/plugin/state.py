@@ -296,6 +296,10 @@ class TreeState:
         # What the drafter does at the end of the step in flight (plan_step): "draft",
         # "context" (its context pass only) or "cold" (nothing).
         self.plan = "context"
+        # A step that verifies nothing and plans no drafts runs without speculation from its
+        # input preparation to the end of its sampling: the runner's speculative config is
+        # held here meanwhile (patches._wrap_prepare_inputs, _wrap_sample_tokens).
+        self.held_spec_config = None
         # Drafter context validity, for auto's cold pauses (steps that skip even the context
         # pass): per K/V slot of the drafter's group, False when the last step that wrote the
         # slot's position skipped the context pass. Allocated with the caches; read only once

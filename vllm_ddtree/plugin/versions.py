@@ -152,7 +152,35 @@ REQUIREMENTS: tuple[Requirement, ...] = (
                           "self.query_pos.np )"),
                 why="the host req_indices / query_pos of the step's rows (depth positions)"),
     Requirement(_RUNNER, "GPUModelRunner._sample", ("logits", "spec_decode_metadata")),
-    Requirement(_RUNNER, "GPUModelRunner.sample_tokens", ("grammar_output",)),
+    Requirement(_RUNNER, "GPUModelRunner.sample_tokens", ("grammar_output",),
+                reads=(("self.speculative_config", 1),),
+                contains=("spec_config = self.speculative_config",
+                          "if spec_config is not None: self.finalize_kv_connector()",
+                          "self._draft_token_ids = None"),
+                why="a paused drafter's step runs without speculation from _prepare_inputs to "
+                    "here: its speculative config is read once, for the drafter hand-off and "
+                    "the deferred K/V-connector finalisation"),
+    Requirement(_RUNNER, "GPUModelRunner.execute_model",
+                reads=(("self.speculative_config", 4),),
+                contains=("defer_kv_connector_finalize = self.speculative_config is not None",
+                          "use_spec_decode = self.speculative_config is not None"),
+                why="without speculation a step finalises the K/V connector after its forward; "
+                    "use_spec_decode matters to linear-attention layers only"),
+    Requirement(_RUNNER, "GPUModelRunner._preprocess",
+                reads=(("self.speculative_config", 1),),
+                contains=("if self.speculative_config is not None: "
+                          "self.input_ids.gpu[:num_input_tokens].clamp_(min=0)",),
+                why="placeholder drafts (-1), which a step without drafts has none of"),
+    Requirement(_RUNNER, "GPUModelRunner._build_attention_metadata",
+                reads=(("self.speculative_config", 3),),
+                contains=("if self.speculative_config and spec_decode_common_attn_metadata is "
+                          "None:",),
+                why="the drafter's metadata, which a paused drafter's step does not use"),
+    Requirement(_RUNNER, "GPUModelRunner._update_states_after_model_execute",
+                reads=(("self.speculative_config", 1),),
+                contains=("if not self.speculative_config or not self.model_config.is_hybrid: "
+                          "return",),
+                why="hybrid (linear-attention) models only"),
     Requirement(_RUNNER, "GPUModelRunner._input_fits_in_drafter", ("common_attn_metadata",)),
     Requirement(_RUNNER, "GPUModelRunner.take_draft_token_ids"),
     Requirement(_RUNNER, "GPUModelRunner.propose_draft_token_ids",
