@@ -1,5 +1,8 @@
 """What a cold step keeps of its prompt rows for the drafter's next context pass (no engine).
 
+``shareable_rows`` picks the prompt rows the prefix cache can share (whole blocks); the
+oracle is the rule written per row.
+
 ``DDTreeProposer._keep_prompt_rows`` takes slices where the prompt rows are one block and
 index_select elsewhere; the oracle is the rule written out row by row: the kept hidden state
 of prompt row i is the concatenation of every auxiliary layer's row (``gather[i]`` after a
@@ -12,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_ddtree.plugin.proposer import DDTreeProposer
+from vllm_ddtree.plugin.proposer import DDTreeProposer, shareable_rows
 
 NUM_TOKENS, HIDDEN, NUM_AUX = 10, 3, 2
 
@@ -59,3 +62,33 @@ def test_prompt_rows_are_kept_as_the_rule_says(rows, gather):
 def test_a_step_without_prompt_rows_keeps_nothing():
     out, *_ = kept([])
     assert out == []
+
+
+def test_shareable_rows_are_those_of_full_blocks():
+    """``shareable_rows`` against the rule written per row: a prompt row at position p is kept
+    iff its whole block (positions p // bs * bs to p // bs * bs + bs - 1) lies within its
+    request's known tokens; decode rows never. Random steps of prompts, chunks and decode rows."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        block = int(rng.choice([1, 4, 16, 128]))
+        num_reqs = int(rng.integers(1, 6))
+        counts, prompt, computed, known = [], [], [], []
+        for _ in range(num_reqs):
+            is_prompt = bool(rng.integers(0, 2))
+            first = int(rng.integers(0, 300))
+            n = int(rng.integers(2, 200)) if is_prompt else int(rng.integers(1, 4))
+            counts.append(n)
+            prompt.append(is_prompt)
+            computed.append(first)
+            known.append(first + n + int(rng.integers(0, 300)) * int(rng.integers(0, 2)))
+        expected = [is_prompt and (p // block + 1) * block <= total
+                    for n, is_prompt, first, total in zip(counts, prompt, computed, known)
+                    for p in range(first, first + n)]
+        shared = shareable_rows(counts, prompt, computed, known, block)
+        assert shared.tolist() == expected
+
+
+def test_a_prompt_within_one_block_shares_nothing():
+    # the tiny pair's benchmark prompts: 64 tokens, blocks of 128 on the CPU
+    assert not shareable_rows([64, 1], [True, False], [0, 70], [64, 71], 128).any()
+    assert shareable_rows([64], [True], [0], [64], 16).all()

@@ -26,6 +26,27 @@ from vllm_ddtree.sampling import pack_sparse_law, sample_from_probs, top_k_draft
 from vllm_ddtree.tree import DraftTree, _ancestor_mask, build_tree
 
 
+def shareable_rows(counts: list[int], prompt: list[bool], computed: list[int],
+                   known: list[int], block_size: int) -> np.ndarray:
+    """``[sum(counts)]`` bool: which of a step's rows are prompt rows that the prefix cache can
+    share, i.e. that lie in a block their request's known tokens fill. Request ``r`` (in row
+    order) has ``counts[r]`` rows at positions ``computed[r]`` onwards; ``prompt[r]``: they
+    are prompt rows (a prefill chunk or a recomputation); ``known[r]``: its tokens known now
+    (prompt and outputs; a chunked prompt's later chunks included). vLLM caches full blocks
+    only, so a row at position ``p`` can be shared iff ``p < known[r] // block_size *
+    block_size``. Example: block 16, a prompt of 40 tokens in one chunk: rows 0-31 shared,
+    32-39 not; a first chunk of 20 of them: rows 0-19 all shared (its block 1 is filled by
+    the next chunk)."""
+    shared = np.zeros(sum(counts), dtype=bool)
+    start = 0
+    for n, is_prompt, first, total in zip(counts, prompt, computed, known):
+        if is_prompt:
+            end = total // block_size * block_size  # positions before it are in full blocks
+            shared[start: start + max(0, min(n, end - first))] = True
+        start += n
+    return shared
+
+
 class DDTreeProposer(DFlashProposer):
     def __init__(self, vllm_config, device: torch.device, runner, state: TreeState):
         spec = vllm_config.speculative_config
@@ -137,10 +158,15 @@ class DDTreeProposer(DFlashProposer):
         copies per step.
 
         Prompt rows (a request scheduled more tokens than its last token and its drafts: a
-        prefill chunk, or the recomputation of a preempted request) still get their context,
-        kept for the next pass like :meth:`store_context`'s: prompts are what the prefix cache
-        shares (a system prompt), so a prompt that arrived in a pause must not leave holes in
-        the context of every later request that reuses it.
+        prefill chunk, or the recomputation of a preempted request) that the prefix cache can
+        share still get their context, kept for the next pass like :meth:`store_context`'s:
+        prompts are what the prefix cache shares (a system prompt), so a prompt that arrived in
+        a pause must not leave holes in the context of every later request that reuses it. The
+        prefix cache shares whole blocks only (:func:`shareable_rows`): the rows of a prompt's
+        last, partial block are completed by its request's next tokens, which a cold step
+        leaves without context anyway, so they go cold with the decode rows (a request whose
+        prompt fills no block keeps nothing: the tiny pair's 64-token prompts in blocks of 128
+        on the CPU).
         """
         state = self.ddtree_state
         num_tokens = scheduler_output.total_num_scheduled_tokens
@@ -153,14 +179,19 @@ class DDTreeProposer(DFlashProposer):
             state.went_cold(req_ids, slots)  # decode rows only (the common case)
         else:
             counts = [scheduler_output.num_scheduled_tokens[r] for r in req_ids]
-            prompt = np.array([n > 1 + len(spec.get(r, ())) for r, n in zip(req_ids, counts)])
-            is_prompt_row = np.repeat(prompt, counts)  # host indices: no device sync
-            self._keep_prompt_rows(np.flatnonzero(is_prompt_row), aux_hidden_states, slots,
+            prompt = [n > 1 + len(spec.get(r, ())) for r, n in zip(req_ids, counts)]
+            requests = self._runner.requests
+            shared = shareable_rows(
+                counts, prompt, batch.num_computed_tokens_cpu[: len(req_ids)].tolist(),
+                [requests[r].num_tokens for r in req_ids],
+                batch.block_table[self.kv_cache_gid].block_size)  # host: no device sync
+            self._keep_prompt_rows(np.flatnonzero(shared), aux_hidden_states, slots,
                                    gather, num_tokens)
-            if not is_prompt_row.all():  # decode rows too
-                others = torch.from_numpy(np.flatnonzero(~is_prompt_row)).to(self.device)
-                state.went_cold([r for r, p in zip(req_ids, prompt) if not p],
-                                slots.index_select(0, others))
+            if not shared.all():  # decode rows, or prompt rows the prefix cache cannot share
+                others = np.flatnonzero(~shared)
+                owners = np.repeat(np.arange(len(req_ids)), counts)[others]
+                state.went_cold([req_ids[i] for i in np.unique(owners)],
+                                slots.index_select(0, torch.from_numpy(others).to(self.device)))
         state.budgets.went_cold()
 
     def _keep_prompt_rows(self, rows: np.ndarray, aux_hidden_states: list[torch.Tensor],
