@@ -444,3 +444,74 @@ def test_auto_measures_a_verify_step_by_its_critical_request(synthetic_auto, mon
     assert seen == pytest.approx(expected), (seen, expected)
     assert any(e != t for e, t in zip(expected, totals))  # the critical request set the value
     close(llm)
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def _paused_runner():
+    """A runner stand-in in a paused drafter's step: the plan is "cold", no drafts scheduled."""
+    from types import SimpleNamespace
+
+    calls = []
+    budgets = SimpleNamespace(name="static", drafting=lambda run: calls.append(("drafting", run)))
+    state = SimpleNamespace(check_ranks=False, held_spec_config=None, plan="cold", budgets=budgets,
+                            plan_step=lambda req_ids, without_drafts: "cold")
+    drafter = SimpleNamespace(skip_context=lambda *args: calls.append(("skip_context",) + args))
+    runner = SimpleNamespace(ddtree_state=state, speculative_config=object(), drafter=drafter,
+                             input_batch=SimpleNamespace(req_ids=["a", "b"], num_reqs=2))
+    scheduler_output = SimpleNamespace(scheduled_spec_decode_tokens={})
+    return runner, state, scheduler_output, calls
+
+
+def test_a_paused_step_gets_its_speculative_config_back_whatever_happens():
+    """The wiring of a paused drafter's step without the engine: ``_prepare_inputs`` holds the
+    runner's speculative config and ``sample_tokens`` gives it back, then runs the drafter's
+    paused step with the step's auxiliary hidden states; an error in either gives it back too."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.plugin import patches
+
+    def failing(*args, **kwargs):
+        raise _Boom
+
+    runner, state, scheduler_output, _ = _paused_runner()
+    config = runner.speculative_config
+    with pytest.raises(_Boom):
+        patches._wrap_prepare_inputs(failing)(runner, scheduler_output, None)
+    assert runner.speculative_config is config and state.held_spec_config is None
+
+    seen = []
+
+    def prepared(self, *args):
+        seen.append(self.speculative_config)
+        raise _Boom  # after the config was held: stop before the rest of the real method
+
+    with pytest.raises(_Boom):
+        patches._wrap_prepare_inputs(prepared)(runner, scheduler_output, None)
+    assert seen == [None] and runner.speculative_config is config
+
+    runner.speculative_config, state.held_spec_config = None, config
+    runner.execute_model_state = SimpleNamespace(scheduler_output=scheduler_output,
+                                                 aux_hidden_states=["aux"])
+    with pytest.raises(_Boom):
+        patches._wrap_sample_tokens(failing)(runner, None)
+    assert runner.speculative_config is config and state.held_spec_config is None
+
+    runner, state, scheduler_output, calls = _paused_runner()
+    config = runner.speculative_config
+    runner.speculative_config, state.held_spec_config = None, config
+    runner.execute_model_state = SimpleNamespace(scheduler_output=scheduler_output,
+                                                 aux_hidden_states=["aux"])
+    sampled_without = []
+
+    def sample(self, grammar_output):
+        sampled_without.append(self.speculative_config is None)
+        return SimpleNamespace(sampled_token_ids=[[1], [2]])
+
+    output = patches._wrap_sample_tokens(sample)(runner, None)
+    assert sampled_without == [True] and output.sampled_token_ids == [[1], [2]]
+    assert runner.speculative_config is config and state.held_spec_config is None
+    assert calls == [("drafting", False), ("skip_context", scheduler_output, ["aux"])]
+    assert runner._draft_token_ids == [[], []]  # no drafts: take_draft_token_ids sends none
