@@ -1,4 +1,5 @@
-"""ddtree under tensor and data parallelism on vLLM's CPU backend, with the default policy.
+"""ddtree under tensor, pipeline and data parallelism on vLLM's CPU backend, with the default
+policy.
 
 Every rank of a tensor-parallel group must make the same decisions (vllm_ddtree/plugin/ranks.py):
 a rank that planned a different step computed a different attention mask (wrong text) or waited
@@ -46,12 +47,15 @@ def ddtree(**extra) -> dict:
 
 
 def run_engine(tmp_path, tp: int, spec: dict | None, short: bool = False,
-               max_tokens: int = MAX_TOKENS, **env) -> dict:
+               max_tokens: int = MAX_TOKENS, pp: int = 1, num_blocks: int = 0, **env) -> dict:
     """tests/parallel_run.py in its own process group, under the watchdog; its JSON result."""
-    out = tmp_path / f"tp{tp}_{os.urandom(4).hex()}.json"
-    cmd = [sys.executable, RUN, "--out", str(out), "--tp", str(tp), "--max-tokens", str(max_tokens)]
+    out = tmp_path / f"tp{tp}_pp{pp}_{os.urandom(4).hex()}.json"
+    cmd = [sys.executable, RUN, "--out", str(out), "--tp", str(tp), "--pp", str(pp),
+           "--max-tokens", str(max_tokens)]
     if short:
         cmd.append("--short")
+    if num_blocks:
+        cmd += ["--num-blocks", str(num_blocks)]
     if spec is not None:
         cmd += ["--spec", json.dumps(spec)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
@@ -120,8 +124,9 @@ def check_run(result: dict, plain: dict | None, seeded: dict | None = None,
         for job in ("greedy", "greedy_reversed"):
             for i, ids in greedy.items() if job in outputs else ():
                 assert outputs[job][i] == ids, f"{job}: prompt {i} differs from plain decoding"
-        for i, ids in plain["features"].items() if "features" in outputs else ():
-            assert outputs["features"][i] == ids, f"features: prompt {i} differs from plain"
+        for job in ("features", "structured"):
+            for i, ids in plain[job].items() if job in outputs else ():
+                assert outputs[job][i] == ids, f"{job}: prompt {i} differs from plain decoding"
         for i in range(0, len(PROMPTS), 2):  # greedy requests batched with seeded ones
             assert outputs["mixed"][str(i)] == greedy[str(i)], f"mixed: prompt {i}"
             assert outputs["pairs"].get(str(i), greedy[str(i)]) == greedy[str(i)], f"pairs: {i}"
@@ -147,6 +152,29 @@ def test_tp2_static(tmp_path, plain, seeded):
     result = run_engine(tmp_path, 2, ddtree(ddtree_budget_policy="static"), short=True,
                         max_tokens=64)
     check_run(result, plain, seeded, max_tokens=64)
+
+
+@pytest.mark.parametrize("tp, num_blocks", [(1, 0), (2, 10)],
+                         ids=["pp2_roomy", "pp2_tp2_preempting"])
+def test_pipeline_parallel_default_policy(tmp_path, plain, seeded, tp, num_blocks):
+    """--pipeline-parallel-size 2 ("static", the default there), alone and with
+    --tensor-parallel-size 2 (four ranks): the short job list, 64 tokens, against plain
+    decoding and the TP = 1 seeds; with a K/V cache of 10 blocks of 32 tokens, requests are
+    preempted and resumed (the first stage rebuilds them from its token history,
+    stages.complete_histories). The first stage moved its layers' K/V by the accepted paths
+    the scheduler relayed (stages.py): as many moves as the last stage made by its own walks,
+    less those of each request's final step (never scheduled again) and of the steps before a
+    preemption (recomputed); the ranks of a stage alike."""
+    result = run_engine(tmp_path, tp, ddtree(), short=True, max_tokens=64, pp=2,
+                        num_blocks=num_blocks)
+    check_run(result, plain, seeded, max_tokens=64)
+    assert (result["preemptions"] > 0) == bool(num_blocks), result["preemptions"]
+    moved = result["moved_slots_per_rank"]  # the ranks of stage 0, then those of stage 1
+    assert moved[:tp] == [moved[0]] * tp and moved[tp:] == [moved[tp]] * tp, moved
+    first, last = moved[0], moved[tp]
+    num_steps = sum(map(len, result["outputs"].values())) + result["preemptions"]
+    depth = 7  # the tiny drafter's block_size - 1: at most 7 moves in a verify step
+    assert 0 < first <= last <= first + depth * num_steps, (first, last)
 
 
 def test_dp2_server_default_policy(tmp_path, plain, seeded):

@@ -167,10 +167,21 @@ def test_hybrid_without_layer_types_is_refused(tmp_path):
                    "(Mamba / linear attention)", hf_overrides={"layer_types": None})
 
 
-def test_pipeline_parallelism_is_refused():
-    """vLLM's CPU platform builds a pipeline_parallel_size=2 configuration (no engine starts)."""
-    assert_refused(TARGET, "pipeline_parallel_size=2", "V1 model runner", "across pipeline stages",
-                   "--pipeline-parallel-size 1", pipeline_parallel_size=2)
+def test_pipeline_parallelism_defaults_to_the_static_policy_one_batch_at_a_time():
+    """Under pipeline parallelism the budget policy defaults to "static", "auto" is refused at
+    engine start (its cost model times whole forwards of the target on one worker), and the
+    engine core runs one batch at a time (vLLM's batch queue would hand the scheduler a
+    batch's drafts before its sampled tokens); without ddtree vLLM keeps its batch queue.
+    The stages' serving: test_vllm_parallel.py and test_pipeline_stages.py."""
+    spec = {key: value for key, value in ddtree_spec(8).items() if key != "ddtree_budget_policy"}
+    config = engine_config(TARGET, speculative_config=spec, pipeline_parallel_size=2)
+    assert config.additional_config["ddtree"]["budget_policy"] == "static"
+    assert config.max_concurrent_batches == 1
+    assert_refused(TARGET, "'auto'", "--pipeline-parallel-size 2", "'static'",
+                   speculative_config=dict(spec, ddtree_budget_policy="auto"),
+                   pipeline_parallel_size=2)
+    assert engine_config(TARGET, speculative_config=None,
+                         pipeline_parallel_size=2).max_concurrent_batches == 2
 
 
 def test_bidirectional_multimodal_prefix_is_refused():

@@ -114,7 +114,7 @@ class KVCompactor:
                 group.native = list(shared.values())
 
     def compact(self, src_rows: torch.Tensor, dst_rows: torch.Tensor, num_tokens: int,
-                num_requests: int) -> None:
+                num_requests: int, slot_mappings: dict[int, torch.Tensor] | None = None) -> None:
         """Copy query row ``src_rows[n]``'s K/V to query row ``dst_rows[n]``'s slot (a ``-1``
         on either side: skip) in every target layer. Rows index this step's flat batch of
         ``num_tokens``; the pairs are ``num_requests`` equal groups, one per request (as
@@ -126,13 +126,17 @@ class KVCompactor:
         (-1, -1) for ``compact_kv`` on CUDA; the fused CPU kernel skips it (its torch twin,
         :func:`~vllm_ddtree.plugin.cpu_attention.copy_cpu_slots`, copies the null block's slot
         onto itself).
+
+        ``slot_mappings``: each KV-cache group's slot of every row, in place of this step's
+        (a pipeline stage's moves of the previous step, ``stages.py``).
         """
         skip = None
         block_tables = self._runner.input_batch.block_table
         for group in self.groups:
             # query row -> K/V slot of this group (each group has its own block table); a -1
             # row reads the last row's slot, replaced just below
-            slot_mapping = block_tables[group.group_id].slot_mapping.gpu[:num_tokens]
+            slot_mapping = (block_tables[group.group_id].slot_mapping.gpu[:num_tokens]
+                            if slot_mappings is None else slot_mappings[group.group_id])
             if group.table is None and (ops := cpu_ops(slot_mapping.device)) is not None:
                 # the fused CPU kernel: every cache of a slot layout in one op
                 for flats, offsets, slot_stride in group.native:

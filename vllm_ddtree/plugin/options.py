@@ -79,8 +79,13 @@ def ddtree_options(vllm_config) -> DDTreeOptions | None:
     return None if data is None else DDTreeOptions.from_dict(data)
 
 
-def split_speculative_config(spec: dict) -> tuple[dict, DDTreeOptions]:
+def split_speculative_config(spec: dict, pipeline_parallel_size: int = 1
+                             ) -> tuple[dict, DDTreeOptions]:
     """Split a user's ``method: "ddtree"`` config into vLLM's dflash config and our options.
+
+    Under pipeline parallelism the budget policy defaults to "static" and "auto" is refused:
+    auto's cost model times whole forwards of the target on one worker, which a pipeline
+    stage cannot run alone.
 
     Example: ``{"method": "ddtree", "model": "d", "num_speculative_tokens": 64,
     "ddtree_depth": 7}`` -> ``({"method": "dflash", "model": "d",
@@ -118,8 +123,14 @@ def split_speculative_config(spec: dict) -> tuple[dict, DDTreeOptions]:
     mode = spec.pop("ddtree_mode", "tree")
     if mode not in MODES:
         raise DDTreeConfigError(f"ddtree: ddtree_mode={mode!r} must be one of {list(MODES)}")
-    default = "static" if mode == "hsd_chain" else DEFAULT_POLICY
+    default = "static" if mode == "hsd_chain" or pipeline_parallel_size > 1 else DEFAULT_POLICY
     policy = _budget_policy(spec.pop("ddtree_budget_policy", default), budget)
+    if policy == "auto" and pipeline_parallel_size > 1:
+        raise DDTreeConfigError(
+            f"ddtree: ddtree_budget_policy 'auto' is not supported with "
+            f"--pipeline-parallel-size {pipeline_parallel_size} (its cost model times whole "
+            "forwards of the target on one worker); use 'static' (the default there) or a "
+            "table of [max_running_requests, budget] rows")
     if mode == "hsd_chain" and policy != "static":
         raise DDTreeConfigError(
             f"ddtree: ddtree_budget_policy={_show(policy)} needs ddtree_mode 'tree'; sampled "

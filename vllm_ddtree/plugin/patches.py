@@ -58,6 +58,16 @@ every symbol the plugin relies on must be as ``versions.REQUIREMENTS`` describes
    parallelism reduced over the ranks and compared before serving).
 9. ``CPU_ATTN`` and ``TRITON_ATTN`` backend overrides: tree attention on the CPU and on CUDA
    (stock behaviour unless the engine runs ddtree).
+10. Pipeline parallelism (``stages.py``): ``VllmConfig.max_concurrent_batches`` is 1 (the
+   engine core's batch queue would hand the scheduler drafts before their step's tokens);
+   ``Scheduler.schedule`` relays the scheduled trees' parents and each request's recent tokens
+   (``SchedulerOutput.ddtree_trees``, ``ddtree_recent``, ``ddtree_outputs``);
+   ``GPUModelRunner._setup_eagle3_aux_hidden_state_outputs``: every stage picks the drafter's
+   target layers, so vLLM's model relays their hidden states to the last stage;
+   ``GPUModelRunner._update_states``: a stage before the last completes its token histories with
+   the accepted drafts; ``_prepare_inputs`` there moves its layers' K/V along the accepted paths
+   and verifies the relayed trees; ``compile_or_warm_up_model`` makes a later stage's receive
+   buffers, which vLLM's CPU worker never makes.
 """
 
 from __future__ import annotations
@@ -115,6 +125,8 @@ def install() -> None:
         VllmConfig._get_v2_model_runner_unsupported_features)
     VllmConfig.num_lookahead_tokens = property(
         _wrap_lookahead(VllmConfig.num_lookahead_tokens.fget))
+    VllmConfig.max_concurrent_batches = property(
+        _wrap_max_concurrent_batches(VllmConfig.max_concurrent_batches.fget))
     if versions.patches_draft_slots(version):
         SpeculativeConfig.max_num_new_slots_for_drafting = property(
             _wrap_draft_slots(SpeculativeConfig.max_num_new_slots_for_drafting.fget))
@@ -131,6 +143,9 @@ def install() -> None:
     GPUModelRunner.__init__ = _wrap_runner_init(GPUModelRunner.__init__)
     GPUModelRunner.initialize_kv_cache = _wrap_initialize_kv_cache(
         GPUModelRunner.initialize_kv_cache)
+    GPUModelRunner._setup_eagle3_aux_hidden_state_outputs = _wrap_setup_aux_hidden_states(
+        GPUModelRunner._setup_eagle3_aux_hidden_state_outputs)
+    GPUModelRunner._update_states = _wrap_update_states(GPUModelRunner._update_states)
     GPUModelRunner._prepare_inputs = _wrap_prepare_inputs(GPUModelRunner._prepare_inputs)
     GPUModelRunner._sample = _wrap_sample(GPUModelRunner._sample)
     GPUModelRunner.sample_tokens = _wrap_sample_tokens(GPUModelRunner.sample_tokens)
@@ -167,7 +182,8 @@ def _wrap_create_speculative_config(original):
                 object.__setattr__(config, "ddtree_options", DDTreeOptions.from_dict(tagged))
             return config
         spec = {k.replace("-", "_"): v for k, v in spec.items()}
-        dflash_spec, options = split_speculative_config(spec)
+        dflash_spec, options = split_speculative_config(
+            spec, target_parallel_config.pipeline_parallel_size)
         if self.async_scheduling:
             raise DDTreeConfigError(
                 "ddtree: async scheduling is not supported yet; drop --async-scheduling"
@@ -360,6 +376,19 @@ def _wrap_lookahead(original):
     return num_lookahead_tokens
 
 
+def _wrap_max_concurrent_batches(original):
+    @functools.wraps(original)
+    def max_concurrent_batches(self):
+        # Pipeline parallelism: one batch in flight. vLLM's batch queue hands the scheduler a
+        # batch's drafts right after submitting the batch, before its sampled tokens, and the
+        # scheduler would then schedule the drafts without the token they follow (stages.py).
+        if self.parallel_config.pipeline_parallel_size > 1 and ddtree_options(self) is not None:
+            return 1
+        return original(self)
+
+    return max_concurrent_batches
+
+
 def _wrap_draft_slots(original):
     @functools.wraps(original)
     def max_num_new_slots_for_drafting(self):
@@ -398,6 +427,7 @@ def _wrap_scheduler_init(original):
         options = ddtree_options(vllm_config)
         if options is None or not self.num_spec_tokens:
             return
+        self._ddtree_depth = options.depth  # the accepted tokens a pipeline stage needs
         # vLLM pads a newly scheduled request with one token to compute (a one-token prompt,
         # a prefix-cache hit up to its last token) with num_spec_tokens placeholder drafts
         # (-1) when other requests run, to keep one CUDA graph shape, unless a per-batch-size
@@ -438,6 +468,13 @@ def _wrap_schedule(original):
                 if tree is not None:
                     kept[req_id] = tree[0][: len(tokens)]
             output.ddtree_kept = kept
+            if self.use_pp:  # the stages before the last verify the same trees (stages.py)
+                from vllm_ddtree.plugin import stages
+
+                output.ddtree_trees = stages.scheduled_trees(
+                    self.requests, output.scheduled_spec_decode_tokens, grammar.TREE_ATTR)
+                output.ddtree_recent, output.ddtree_outputs = stages.recent_tokens(
+                    self.requests, output.scheduled_cached_reqs, self._ddtree_depth)
             # the grammar's cost, which the "auto" policy counts per structured node
             timer = grammar.grammar_time(self.structured_output_manager)
             output.ddtree_grammar_node_s = timer.per_node()
@@ -460,7 +497,13 @@ def _wrap_update_draft_token_ids(original):
             if (parents is None or request is None or request.is_finished()
                     or request.is_prefill_chunk or not request.use_structured_output):
                 if request is not None:
-                    setattr(request, grammar.TREE_ATTR, None)
+                    tree = None
+                    if parents is not None and not (request.is_finished()
+                                                    or request.is_prefill_chunk):
+                        # pipeline parallelism sends every tree: the stages before the last
+                        # verify them (stages.py)
+                        tree = (list(range(len(drafts))), parents)
+                    setattr(request, grammar.TREE_ATTR, tree)
                 plain_ids.append(req_id)
                 plain_drafts.append(drafts)
                 continue
@@ -531,6 +574,15 @@ def _wrap_runner_init(original):
         self.input_batch.logitsprocs = LogitsProcessors(
             ctor(vllm_config, self.device, PIN_MEMORY) for ctor in BUILTIN_LOGITS_PROCESSORS)
         state = TreeState(options, self.device, self.max_num_reqs)
+        from vllm.distributed.parallel_state import get_pp_group
+
+        pp = get_pp_group()
+        if pp.world_size > 1:  # pipeline parallelism (stages.py)
+            from vllm_ddtree.plugin.stages import StageMoves
+
+            state.send_all_trees = True  # the last stage sends every tree's parents
+            if not pp.is_last_rank:  # a stage before the last moves its K/V itself
+                state.stage = StageMoves(options.depth)
         self.ddtree_state = state
         self.ddtree_compactor = None  # built by initialize_kv_cache
         self.drafter = DDTreeProposer(vllm_config, self.device, self, state)
@@ -572,6 +624,59 @@ def _wrap_initialize_kv_cache(original):
     return initialize_kv_cache
 
 
+def _wrap_setup_aux_hidden_states(original):
+    @functools.wraps(original)
+    def _setup_eagle3_aux_hidden_state_outputs(self):
+        original(self)  # the last stage picks the drafter's target layers
+        if getattr(self, "ddtree_state", None) is None:
+            return
+        from vllm.distributed.parallel_state import get_pp_group
+
+        pp = get_pp_group()
+        if pp.world_size < 2:
+            return
+        # Pipeline parallelism: the drafter's target layers may sit on any stage. vLLM's model
+        # relays their hidden states to the last stage in the intermediate tensors, where
+        # every stage knows the layers and every stage after the first has their buffers
+        # (vLLM's V1 runner does neither; its V2 runner does, with these two functions).
+        from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
+            reserve_aux_intermediate_tensor_slots,
+            verify_supports_aux_hidden_states_over_pp,
+        )
+
+        try:
+            verify_supports_aux_hidden_states_over_pp(self.model, "ddtree")
+        except ValueError as e:
+            raise DDTreeConfigError(
+                f"ddtree: {e}: its layers cannot send the drafter's hidden states across "
+                "pipeline stages; use --tensor-parallel-size instead of "
+                "--pipeline-parallel-size") from None
+        if not pp.is_last_rank:
+            self.model.set_aux_hidden_state_layers(
+                self._get_eagle3_aux_layers_from_config()
+                or self.model.get_eagle3_default_aux_hidden_state_layers())
+        reserve_aux_intermediate_tensor_slots(self.model)
+
+    return _setup_eagle3_aux_hidden_state_outputs
+
+
+def _wrap_update_states(original):
+    @functools.wraps(original)
+    def _update_states(self, scheduler_output):
+        state = getattr(self, "ddtree_state", None)
+        if state is not None and state.stage is not None:
+            # a pipeline stage before the last: the drafts its requests accepted join their
+            # token histories before vLLM updates them (stages.complete_histories)
+            from vllm_ddtree.plugin.stages import complete_histories
+
+            complete_histories(self.requests, scheduler_output.scheduled_cached_reqs,
+                               getattr(scheduler_output, "ddtree_recent", {}),
+                               getattr(scheduler_output, "ddtree_outputs", {}))
+        return original(self, scheduler_output)
+
+    return _update_states
+
+
 def _attach_state_to_builders(runner, state) -> None:
     for groups in runner.attn_groups:
         for group in groups:
@@ -586,6 +691,10 @@ def _wrap_prepare_inputs(original):
         state = getattr(self, "ddtree_state", None)
         if state is None:
             return original(self, scheduler_output, num_scheduled_tokens)
+        if state.stage is not None:  # a pipeline stage before the last: last step's moves
+            from vllm_ddtree.plugin.stages import move_kv
+
+            move_kv(self, state, scheduler_output)
         plan = state.plan_step(self.input_batch.req_ids[: self.input_batch.num_reqs],
                                getattr(scheduler_output, "ddtree_without_drafts", False))
         if state.check_ranks:  # VLLM_DDTREE_CHECK_RANKS=1 under tensor parallelism (debug)
@@ -613,6 +722,8 @@ def _wrap_prepare_inputs(original):
         _, spec_decode_metadata, _ = result
         if scheduler_output.finished_req_ids:  # the only requests vLLM's runner forgets
             state.forget_finished(self.requests)  # finished and aborted requests
+            if state.stage is not None:
+                state.stage.keep_only(self.requests)
         num_tokens = scheduler_output.total_num_scheduled_tokens
         clock = getattr(scheduler_output, "ddtree_clock", None)  # the scheduler's (ranks.py)
         # the scheduler's grammar work (grammar.GrammarTime): auto counts it
@@ -640,16 +751,24 @@ def _wrap_prepare_inputs(original):
             starts.append(starts[-1] + int(n))
         req_ids = self.input_batch.req_ids[:num_reqs]
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-        kept = getattr(scheduler_output, "ddtree_kept", None)
-        if kept:  # structured outputs: the grammar-valid nodes the scheduler kept (grammar.py)
-            state.keep_scheduled(kept)
+        scheduled = [spec_tokens.get(req_id, ()) for req_id in req_ids]
+        if state.stage is not None:  # the scheduler's trees are this stage's proposals
+            from vllm_ddtree.plugin.stages import record_trees
+
+            record_trees(state, list(req_ids), scheduled, scheduler_output.ddtree_trees)
+            state.stage.verified(list(req_ids), self.input_batch.num_computed_tokens_cpu[
+                :num_reqs].tolist(), scheduled, scheduler_output.ddtree_trees)
+        else:
+            kept = getattr(scheduler_output, "ddtree_kept", None)
+            if kept:  # structured outputs: the grammar-valid nodes the scheduler kept
+                state.keep_scheduled(kept)  # (grammar.py)
         verify = state.begin_verify(
             req_ids=list(req_ids),
             num_draft=num_draft,
             draft_token_ids=spec_decode_metadata.draft_token_ids,
             query_start=starts,
             num_tokens=num_tokens,
-            scheduled=[spec_tokens.get(req_id, ()) for req_id in req_ids],
+            scheduled=scheduled,
             token_rows=(self.req_indices.np[:num_tokens], self.query_pos.np[:num_tokens]),
         )
         state.count_unmatched(verify)
@@ -762,6 +881,8 @@ def _wrap_sample_tokens(original):
                     self, state, model_state.scheduler_output, model_state.aux_hidden_states)
         else:
             output = original(self, *args, **kwargs)
+        if state is not None and state.stage is not None:
+            state.verify = None  # a stage before the last: its step ends here (no sampling)
         sampled = getattr(output, "sampled_token_ids", None)
         # async scheduling is refused, so the ids are a list; only auto measures its steps
         if state is not None and state.budgets.name == "auto" and isinstance(sampled, list):
@@ -829,7 +950,17 @@ def _wrap_compile_or_warm_up_model(original):
     @functools.wraps(original)
     def compile_or_warm_up_model(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        state = getattr(self.model_runner, "ddtree_state", None)
+        runner = self.model_runner
+        state = getattr(runner, "ddtree_state", None)
+        if state is not None and runner.intermediate_tensors is None:
+            from vllm.distributed.parallel_state import get_pp_group
+
+            if not get_pp_group().is_first_rank:
+                # vLLM's CPU worker skips the warm-up run that makes a later pipeline stage's
+                # receive buffers (the GPU worker's _dummy_run makes them)
+                runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+                    batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype,
+                    device=runner.device)
         if state is not None and state.budgets.name == "auto":
             from vllm_ddtree.plugin.costs import shared_cost_model
 

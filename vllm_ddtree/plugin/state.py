@@ -292,6 +292,10 @@ class TreeState:
         # the host copy of the count that the previous report started, and its CUDA event
         self._unmatched_copy: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self.check_ranks = False  # compare each step's plan across TP ranks (ranks.py)
+        # Pipeline parallelism (stages.py): the last stage sends every tree's parents with its
+        # drafts; a stage before the last moves its K/V along the accepted paths (StageMoves).
+        self.send_all_trees = False
+        self.stage = None
         self.last_num_draft: list[int] = []  # m_r of the latest verify step, host
         # What the drafter does at the end of the step in flight (plan_step): "draft",
         # "context" (its context pass only) or "cold" (nothing).
@@ -522,13 +526,15 @@ class TreeState:
                 keep = [i for i, d in enumerate(node_depths) if 0 < d <= useful]
                 ids[:] = [ids[i] for i in keep]
                 kept[req_id] = keep
-            if has_structured_outputs(request):
+            structured = has_structured_outputs(request)
+            if structured:
                 # the tree's first nodes (a subtree), at most the policy's structured_limit
                 limit = self.budgets.structured_limit
                 if len(ids) > limit:  # the proposal keeps them alone (then padding)
                     keep = (keep or list(range(len(ids))))[:limit]
                     kept[req_id] = keep
                     del ids[limit:]
+            if structured or self.send_all_trees:
                 parents = nodes[row, 0, :real].tolist()
                 if keep is not None:
                     parents = renumbered_parents(parents, keep)

@@ -8,8 +8,6 @@ is wrong for trees:
 
 * recurrent layers (Mamba, GDN, linear attention): their state would advance along the
   flattened rows, through siblings and cousins, instead of along each root-to-node path;
-* pipeline parallelism: vLLM's V1 runner cannot run a DFlash drafter across stages (see
-  docs/parallelism.md);
 * attention other than a plain softmax over the context and the ancestors, which is all the
   tree kernels compute: sliding windows, sinks, logit soft-capping, ALiBi, chunked local or
   dual chunk attention, bidirectional multimodal prefixes, cross / encoder attention, and
@@ -44,13 +42,6 @@ def check_target(model_config, parallel_config) -> None:
     Raises :class:`DDTreeConfigError` with one line naming the problem and the fix.
     """
     arch = model_config.architecture
-    if parallel_config.pipeline_parallel_size > 1:
-        raise DDTreeConfigError(
-            f"ddtree: pipeline_parallel_size={parallel_config.pipeline_parallel_size} is not "
-            "supported: vLLM's V1 model runner, which ddtree runs on, cannot run a DFlash "
-            "drafter across pipeline stages (vLLM's own dflash fails the same way); use "
-            "--pipeline-parallel-size 1 and --tensor-parallel-size to split the target"
-        )
     recurrent = recurrent_layer_kinds(model_config)
     if recurrent:
         raise DDTreeConfigError(
