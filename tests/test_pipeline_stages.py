@@ -267,3 +267,54 @@ def test_a_stage_completes_its_token_histories_with_the_accepted_drafts():
     states["a"].output_token_ids = [50]
     with pytest.raises(RuntimeError, match="lacks 3 tokens"):
         stages.complete_histories(states, cached, {"a": [53]}, {"c": full[10:]})
+
+
+@pytest.mark.parametrize("last", [False, True], ids=["first_stage", "last_stage"])
+def test_every_stage_picks_the_drafters_layers_or_the_target_is_refused(monkeypatch, last):
+    """The drafter's target layers may sit on any stage: under pipeline parallelism a stage
+    before the last picks the same layers as the last stage (the drafter's, else the model's
+    default), so vLLM's model relays their hidden states; a target whose model cannot relay
+    them is refused with the fix named. Without pipeline parallelism nothing changes."""
+    from vllm.distributed import parallel_state
+
+    from vllm_ddtree.plugin import patches
+    from vllm_ddtree.plugin.options import DDTreeConfigError
+
+    picked = []
+
+    class Decoder:
+        supports_aux_hidden_states_over_pp = True
+
+    class Model:
+        model = Decoder()
+
+        def set_aux_hidden_state_layers(self, layers):
+            picked.append(tuple(layers))
+
+        def get_eagle3_default_aux_hidden_state_layers(self):
+            return (2, 5)
+
+    def vllms_own(runner):  # vLLM's method: the last stage picks the layers itself
+        if last:
+            runner.model.set_aux_hidden_state_layers(
+                runner._get_eagle3_aux_layers_from_config()
+                or runner.model.get_eagle3_default_aux_hidden_state_layers())
+
+    runner = SimpleNamespace(ddtree_state=object(), model=Model(),
+                             _get_eagle3_aux_layers_from_config=lambda: (1, 3))
+    setup = patches._wrap_setup_aux_hidden_states(vllms_own)
+    pp = SimpleNamespace(world_size=1, is_first_rank=True, is_last_rank=True)
+    monkeypatch.setattr(parallel_state, "get_pp_group", lambda: pp)
+    setup(runner)
+    assert picked == ([(1, 3)] if last else [])
+    picked.clear()
+    pp.world_size, pp.is_first_rank, pp.is_last_rank = 2, not last, last
+    setup(runner)
+    assert picked == [(1, 3)]
+    picked.clear()
+    runner._get_eagle3_aux_layers_from_config = lambda: None  # the model's default layers
+    setup(runner)
+    assert picked == [(2, 5)]
+    Decoder.supports_aux_hidden_states_over_pp = False
+    with pytest.raises(DDTreeConfigError, match="--tensor-parallel-size instead"):
+        setup(runner)

@@ -457,6 +457,7 @@ def _paused_runner():
     calls = []
     budgets = SimpleNamespace(name="static", drafting=lambda run: calls.append(("drafting", run)))
     state = SimpleNamespace(check_ranks=False, held_spec_config=None, plan="cold", budgets=budgets,
+                            stage=None,  # no pipeline parallelism
                             plan_step=lambda req_ids, without_drafts: "cold")
     drafter = SimpleNamespace(skip_context=lambda *args: calls.append(("skip_context",) + args))
     runner = SimpleNamespace(ddtree_state=state, speculative_config=object(), drafter=drafter,
