@@ -269,12 +269,16 @@ def test_a_stage_completes_its_token_histories_with_the_accepted_drafts():
         stages.complete_histories(states, cached, {"a": [53]}, {"c": full[10:]})
 
 
-@pytest.mark.parametrize("last", [False, True], ids=["first_stage", "last_stage"])
-def test_every_stage_picks_the_drafters_layers_or_the_target_is_refused(monkeypatch, last):
+@pytest.mark.parametrize("stage", ["first", "middle", "last"])
+def test_every_stage_picks_the_drafters_layers_or_the_target_is_refused(monkeypatch, stage):
     """The drafter's target layers may sit on any stage: under pipeline parallelism a stage
     before the last picks the same layers as the last stage (the drafter's, else the model's
-    default), so vLLM's model relays their hidden states; a target whose model cannot relay
-    them is refused with the fix named. Without pipeline parallelism nothing changes."""
+    default), so vLLM's model relays their hidden states, and a middle stage passes on those of
+    the stages before it with its own (its forward's output gets them); a target whose model
+    cannot relay them is refused with the fix named. Without pipeline parallelism nothing
+    changes."""
+    from vllm.sequence import IntermediateTensors
+
     from vllm.distributed import parallel_state
 
     from vllm_ddtree.plugin import patches
@@ -284,6 +288,8 @@ def test_every_stage_picks_the_drafters_layers_or_the_target_is_refused(monkeypa
 
     class Decoder:
         supports_aux_hidden_states_over_pp = True
+        AUX_HIDDEN_STATE_KEY = "aux_hidden_states_"
+        _aux_slot_base_cached = 1  # one of the layers sits on the stages before (a middle one)
 
     class Model:
         model = Decoder()
@@ -293,6 +299,8 @@ def test_every_stage_picks_the_drafters_layers_or_the_target_is_refused(monkeypa
 
         def get_eagle3_default_aux_hidden_state_layers(self):
             return (2, 5)
+
+    last = stage == "last"
 
     def vllms_own(runner):  # vLLM's method: the last stage picks the layers itself
         if last:
@@ -308,9 +316,19 @@ def test_every_stage_picks_the_drafters_layers_or_the_target_is_refused(monkeypa
     setup(runner)
     assert picked == ([(1, 3)] if last else [])
     picked.clear()
-    pp.world_size, pp.is_first_rank, pp.is_last_rank = 2, not last, last
+    pp.world_size, pp.is_first_rank, pp.is_last_rank = 3, stage == "first", last
     setup(runner)
     assert picked == [(1, 3)]
+    relayed = ("aux_hidden_states_0",) if stage == "middle" else ()
+    assert runner.ddtree_relay_keys == relayed
+    received = IntermediateTensors({"hidden_states": torch.zeros(2),
+                                    "aux_hidden_states_0": torch.ones(2)})
+    own = IntermediateTensors({"hidden_states": torch.full((2,), 2.0),
+                               "aux_hidden_states_1": torch.full((2,), 3.0)})
+    forward = patches._wrap_model_forward(lambda runner, **kwargs: own)
+    sent = forward(runner, input_ids=None, intermediate_tensors=received)
+    assert sorted(sent.tensors) == sorted(["hidden_states", "aux_hidden_states_1", *relayed])
+    assert torch.equal(sent["hidden_states"], own["hidden_states"])
     picked.clear()
     runner._get_eagle3_aux_layers_from_config = lambda: None  # the model's default layers
     setup(runner)

@@ -34,7 +34,6 @@ grammar cost in the step time of the trees it sizes (``budget.auto_budgets``, ``
 from __future__ import annotations
 
 import logging
-import time
 
 from vllm_ddtree.plugin.state import best_path
 

@@ -63,7 +63,8 @@ every symbol the plugin relies on must be as ``versions.REQUIREMENTS`` describes
    ``Scheduler.schedule`` relays the scheduled trees' parents and each request's recent tokens
    (``SchedulerOutput.ddtree_trees``, ``ddtree_recent``, ``ddtree_outputs``);
    ``GPUModelRunner._setup_eagle3_aux_hidden_state_outputs``: every stage picks the drafter's
-   target layers, so vLLM's model relays their hidden states to the last stage;
+   target layers, so vLLM's model relays their hidden states to the last stage, and
+   ``GPUModelRunner._model_forward`` on a middle stage passes on those of the stages before it;
    ``GPUModelRunner._update_states``: a stage before the last completes its token histories with
    the accepted drafts; ``_prepare_inputs`` there moves its layers' K/V along the accepted paths
    and verifies the relayed trees; ``compile_or_warm_up_model`` makes a later stage's receive
@@ -146,6 +147,7 @@ def install() -> None:
     GPUModelRunner._setup_eagle3_aux_hidden_state_outputs = _wrap_setup_aux_hidden_states(
         GPUModelRunner._setup_eagle3_aux_hidden_state_outputs)
     GPUModelRunner._update_states = _wrap_update_states(GPUModelRunner._update_states)
+    GPUModelRunner._model_forward = _wrap_model_forward(GPUModelRunner._model_forward)
     GPUModelRunner._prepare_inputs = _wrap_prepare_inputs(GPUModelRunner._prepare_inputs)
     GPUModelRunner._sample = _wrap_sample(GPUModelRunner._sample)
     GPUModelRunner.sample_tokens = _wrap_sample_tokens(GPUModelRunner.sample_tokens)
@@ -640,6 +642,7 @@ def _wrap_setup_aux_hidden_states(original):
         # every stage knows the layers and every stage after the first has their buffers
         # (vLLM's V1 runner does neither; its V2 runner does, with these two functions).
         from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
+            aux_hidden_state_relay_keys,
             reserve_aux_intermediate_tensor_slots,
             verify_supports_aux_hidden_states_over_pp,
         )
@@ -656,8 +659,28 @@ def _wrap_setup_aux_hidden_states(original):
                 self._get_eagle3_aux_layers_from_config()
                 or self.model.get_eagle3_default_aux_hidden_state_layers())
         reserve_aux_intermediate_tensor_slots(self.model)
+        # a middle stage passes the hidden states of the stages before it on (_model_forward)
+        self.ddtree_relay_keys = aux_hidden_state_relay_keys(self.model)
 
     return _setup_eagle3_aux_hidden_state_outputs
+
+
+def _wrap_model_forward(original):
+    @functools.wraps(original)
+    def _model_forward(self, *args, **kwargs):
+        output = original(self, *args, **kwargs)
+        keys = getattr(self, "ddtree_relay_keys", ())
+        if keys:
+            # pipeline parallelism, a middle stage: vLLM's model sends on only its own layers'
+            # hidden states for the drafter; those of the stages before it go on with them
+            from vllm.sequence import IntermediateTensors
+
+            received = kwargs["intermediate_tensors"]
+            output = IntermediateTensors(
+                output.tensors | {key: received[key] for key in keys})
+        return output
+
+    return _model_forward
 
 
 def _wrap_update_states(original):
