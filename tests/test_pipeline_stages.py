@@ -177,13 +177,19 @@ def _runner(caches, block_table: np.ndarray, slot_mapping: torch.Tensor, index: 
     return runner
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["fused_cpu_op", "torch_twin"])
 @pytest.mark.parametrize("seed", range(4))
-def test_a_stage_moves_its_kv_as_the_last_stage_does(seed):
+def test_a_stage_moves_its_kv_as_the_last_stage_does(monkeypatch, seed, native):
     """One verify step of random trees and paths: the last stage walks them and compacts its
     caches (finish_verify, KVCompactor); a stage before the last gets, one step later, only
     the requests' computed lengths and the scheduler's recent tokens, in another batch order,
     and moves its caches (StageMoves, move_kv). The caches end equal, slot for slot, and both
-    stages count the same moves."""
+    stages count the same moves; with the fused CPU op and with its torch twin (the slot
+    lookup the Triton path shares)."""
+    if not native:
+        from vllm_ddtree.plugin import compaction
+
+        monkeypatch.setattr(compaction, "cpu_ops", lambda device: None)
     num = 5
     tree, gen = random_trees(10 + seed, num)
     verdict = walk(tree, samples_to(tree, gen))

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_ddtree.plugin.state import to_device
 from vllm_ddtree.tree import PADDING_TOKEN_ID, DraftTree, _ancestor_mask
 
 
@@ -134,8 +135,8 @@ def record_trees(state, req_ids: list[str], scheduled: list[list[int]],
                 raise RuntimeError(f"ddtree: request {req_id}'s tree has node {i} under "
                                    f"{parent}: parents must precede their children")
             depths[r, i] = 1 if parent < 0 else depths[r, parent] + 1
-    upload = torch.from_numpy(np.stack([tokens, parents, depths])).to(device)
-    num_nodes = torch.tensor([len(d) for _, d in rows], device=device)
+    upload = to_device(np.stack([tokens, parents, depths]), torch.int64, device)
+    num_nodes = to_device([len(d) for _, d in rows], torch.int64, device)
     real = upload[2] > 0
     tree = DraftTree(
         token_ids=upload[0], parents=upload[1], depths=upload[2],
@@ -274,7 +275,6 @@ def move_kv(runner, state, scheduler_output) -> None:
         table = block_tables[gid]
         slots = np.concatenate([move_slots(table, req_of, positions[0]),
                                 move_slots(table, req_of, positions[1])])
-        slot_mappings[gid] = torch.from_numpy(slots).to(
-            device=runner.device, dtype=table.slot_mapping.gpu.dtype)
-    src, dst = torch.from_numpy(rows).to(runner.device).unbind(0)
+        slot_mappings[gid] = to_device(slots, table.slot_mapping.gpu.dtype, runner.device)
+    src, dst = to_device(rows, torch.int64, runner.device).unbind(0)
     runner.ddtree_compactor.compact(src, dst, 2 * num * depth, num, slot_mappings)
