@@ -75,6 +75,16 @@ def _unmatched_rows(worker) -> int:
     return -1 if state is None else state.num_unmatched_rows
 
 
+def _drafter_embedding_sum(worker) -> float | None:
+    """The sum of the drafter's input embedding rows of the vocabulary (float64), where the
+    rank has a drafter model: on the last pipeline stage it must be the target's."""
+    model = getattr(getattr(worker.model_runner, "drafter", None), "model", None)
+    if model is None:
+        return None
+    vocab = worker.model_runner.model_config.get_vocab_size()
+    return float(model.model.embed_tokens.weight[:vocab].double().sum())
+
+
 def _moved_slots(worker) -> int:
     """K/V positions this rank moved after verify steps: by its own walk (the last pipeline
     stage, or every rank without pipeline parallelism) or by the accepted paths the scheduler
@@ -100,6 +110,7 @@ def run_jobs(llm, max_tokens: int, short: bool = False, log=lambda line: None) -
     if llm.llm_engine.vllm_config.speculative_config is not None:
         result["unmatched_rows_per_rank"] = llm.collective_rpc(_unmatched_rows)
         result["moved_slots_per_rank"] = llm.collective_rpc(_moved_slots)
+        result["drafter_embedding_sum_per_rank"] = llm.collective_rpc(_drafter_embedding_sum)
     result["preemptions"] = sum(m.value for m in llm.get_metrics()
                                 if m.name == "vllm:num_preemptions")
     return result

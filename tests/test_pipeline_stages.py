@@ -342,3 +342,29 @@ def test_every_stage_picks_the_drafters_layers_or_the_target_is_refused(monkeypa
     Decoder.supports_aux_hidden_states_over_pp = False
     with pytest.raises(DDTreeConfigError, match="--tensor-parallel-size instead"):
         setup(runner)
+
+
+def test_the_last_stage_loads_the_targets_embedding_from_its_checkpoint(tmp_path):
+    """proposer.load_target_embedding: the target's embedding tensor, found through the
+    checkpoint's index (sharded) or in its files, goes into the drafter's parameter; a
+    checkpoint without one is refused with the fix named."""
+    from safetensors.torch import save_file
+
+    from vllm_ddtree.plugin.options import DDTreeConfigError
+    from vllm_ddtree.plugin.proposer import load_target_embedding
+
+    weight = torch.randn(10, 4)
+    config = SimpleNamespace(model=str(tmp_path), revision=None)
+    param = torch.nn.Parameter(torch.zeros(10, 4), requires_grad=False)
+    save_file({"model.norm.weight": torch.ones(4)}, str(tmp_path / "a.safetensors"))
+    with pytest.raises(DDTreeConfigError, match="--tensor-parallel-size instead"):
+        load_target_embedding(param, config, SimpleNamespace(download_dir=None))
+    save_file({"model.embed_tokens.weight": weight}, str(tmp_path / "b.safetensors"))
+    load_target_embedding(param, config, SimpleNamespace(download_dir=None))
+    assert torch.equal(param, weight)
+    (tmp_path / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"model.language_model.embed_tokens.weight": "c.safetensors"}}')
+    save_file({"model.language_model.embed_tokens.weight": 2 * weight},
+              str(tmp_path / "c.safetensors"))
+    load_target_embedding(param, config, SimpleNamespace(download_dir=None))
+    assert torch.equal(param, 2 * weight)

@@ -169,6 +169,13 @@ def test_pp2_default_policy(tmp_path, plain, seeded, num_blocks):
     check_run(result, plain, seeded, max_tokens=64)
     assert (result["preemptions"] > 0) == bool(num_blocks), result["preemptions"]
     first, last = result["moved_slots_per_rank"]
+    # the last stage's drafter embeds tokens with the target's embedding (vLLM shares it only
+    # without pipeline parallelism; the tiny drafter has none of its own)
+    from safetensors import safe_open
+
+    with safe_open(str(PAIR / "target" / "model.safetensors"), "pt") as f:
+        want = float(f.get_tensor("model.embed_tokens.weight").double().sum())
+    assert result["drafter_embedding_sum_per_rank"][-1] == want
     num_steps = sum(map(len, result["outputs"].values())) + result["preemptions"]
     depth = 7  # the tiny drafter's block_size - 1: at most 7 moves in a verify step
     assert 0 < first <= last <= first + depth * num_steps, (first, last)

@@ -68,7 +68,8 @@ every symbol the plugin relies on must be as ``versions.REQUIREMENTS`` describes
    ``GPUModelRunner._update_states``: a stage before the last completes its token histories with
    the accepted drafts; ``_prepare_inputs`` there moves its layers' K/V along the accepted paths
    and verifies the relayed trees; ``compile_or_warm_up_model`` makes a later stage's receive
-   buffers, which vLLM's CPU worker never makes.
+   buffers, which vLLM's CPU worker never makes. (The last stage's drafter loads the target's
+   input embedding itself: ``DDTreeProposer.load_model``.)
 """
 
 from __future__ import annotations

@@ -47,6 +47,51 @@ def shareable_rows(counts: list[int], prompt: list[bool], computed: list[int],
     return shared
 
 
+EMBEDDING_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
+                   "language_model.model.embed_tokens.weight")
+
+
+def load_target_embedding(param: torch.Tensor, model_config, load_config) -> None:
+    """Load the target's input embedding (its checkpoint tensor, one of ``EMBEDDING_NAMES``)
+    into ``param``, a drafter's ``VocabParallelEmbedding`` weight, through the parameter's own
+    loader (its tensor-parallel shard, its vocabulary padding)."""
+    import json
+    import os
+
+    from safetensors import safe_open
+    from vllm.model_executor.model_loader.weight_utils import (
+        default_weight_loader,
+        download_weights_from_hf,
+    )
+
+    from vllm_ddtree.plugin.options import DDTreeConfigError
+
+    path = model_config.model
+    if not os.path.isdir(path):
+        path = download_weights_from_hf(path, load_config.download_dir,
+                                        ["*.safetensors", "*.json"], model_config.revision)
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            where = json.load(f)["weight_map"]
+    else:
+        where = {}
+        for name in sorted(os.listdir(path)):
+            if name.endswith(".safetensors"):
+                with safe_open(os.path.join(path, name), "pt") as f:
+                    where.update(dict.fromkeys(f.keys(), name))
+    key = next((k for k in EMBEDDING_NAMES if k in where), None)
+    if key is None:
+        raise DDTreeConfigError(
+            f"ddtree: under pipeline parallelism the DFlash drafter needs the target's input "
+            f"embedding on the last stage, and {model_config.model} has none of "
+            f"{list(EMBEDDING_NAMES)} in safetensors; use --tensor-parallel-size instead of "
+            "--pipeline-parallel-size")
+    with safe_open(os.path.join(path, where[key]), "pt") as f:
+        weight = f.get_tensor(key)
+    getattr(param, "weight_loader", default_weight_loader)(param, weight.to(param.dtype))
+
+
 class DDTreeProposer(DFlashProposer):
     def __init__(self, vllm_config, device: torch.device, runner, state: TreeState):
         spec = vllm_config.speculative_config
@@ -69,6 +114,20 @@ class DDTreeProposer(DFlashProposer):
         # paused steps' context rows (hidden, chain positions, slots), see store_context
         self._kept_context: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._kept_rows = 0
+
+    def load_model(self, target_model) -> None:
+        super().load_model(target_model)
+        from vllm.distributed.parallel_state import get_pp_group
+
+        pp = get_pp_group()
+        if pp.world_size > 1 and pp.is_last_rank and not getattr(
+                self.model, "has_own_embed_tokens", False):
+            # vLLM shares the target's input embedding with a drafter that has none only
+            # without pipeline parallelism (the last stage does not hold it): the drafter would
+            # draft from an untrained embedding. Load the target's from its checkpoint.
+            load_target_embedding(self.model.model.embed_tokens.weight,
+                                  self.vllm_config.model_config,
+                                  self.vllm_config.load_config)
 
     def propose(self, num_speculative_tokens, **kwargs) -> torch.Tensor:
         """Draft one tree per request; returns ``[R, B]`` node tokens in best-first order,

@@ -195,10 +195,6 @@ class StageMoves:
             else:
                 self._verified.pop(req_id, None)
 
-    def forget(self, req_ids) -> None:
-        for req_id in req_ids:
-            self._verified.pop(req_id, None)
-
     def keep_only(self, live_req_ids) -> None:
         for req_id in [r for r in self._verified if r not in live_req_ids]:
             del self._verified[req_id]

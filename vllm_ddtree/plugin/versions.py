@@ -304,6 +304,17 @@ REQUIREMENTS: tuple[Requirement, ...] = (
                           "req_state.output_token_ids.extend( new_token_ids[-num_new_tokens:] )"),
                 why="a stage before the last keeps its token history from the scheduler's "
                     "tokens; the plugin completes it with the accepted drafts first"),
+    Requirement("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer.load_model",
+                ("target_model",)),
+    Requirement("vllm.v1.spec_decode.llm_base_proposer",
+                "SpecDecodeBaseProposer._maybe_share_embeddings",
+                contains=("if get_pp_group().world_size == 1:",),
+                why="under pipeline parallelism vLLM does not share the target's embedding with "
+                    "the drafter: the last stage loads it (proposer.load_target_embedding)"),
+    Requirement("vllm.model_executor.model_loader.weight_utils", "download_weights_from_hf",
+                ("model_name_or_path", "cache_dir", "allow_patterns", "revision")),
+    Requirement("vllm.model_executor.model_loader.weight_utils", "default_weight_loader",
+                ("param", "loaded_weight")),
     Requirement("vllm.v1.worker.block_table", "BlockTable.__init__",
                 contains=("self.block_size = block_size",)),
 )
