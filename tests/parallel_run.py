@@ -70,6 +70,14 @@ def jobs(max_tokens: int, short: bool = False):
     yield "pairs", [odd[1], 0, odd[0], 2, odd[3], odd[2]], mixed
 
 
+def cache_sizes(num_blocks: int) -> dict:
+    """Engine arguments for a K/V cache of ``num_blocks`` blocks of 32 tokens (0: the test
+    default); a few blocks make requests preempt and resume."""
+    if not num_blocks:
+        return {}
+    return dict(num_gpu_blocks_override=num_blocks, block_size=32, max_model_len=256)
+
+
 def _unmatched_rows(worker) -> int:
     state = getattr(worker.model_runner, "ddtree_state", None)
     return -1 if state is None else state.num_unmatched_rows
@@ -137,11 +145,8 @@ def main() -> None:
     from vllm_utils import close, make_llm
 
     spec = json.loads(args.spec) if args.spec else None
-    sizes = {}
-    if args.num_blocks:
-        sizes = dict(num_gpu_blocks_override=args.num_blocks, block_size=32, max_model_len=256)
     llm = make_llm(spec, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
-                   max_num_seqs=8, **sizes)
+                   max_num_seqs=8, **cache_sizes(args.num_blocks))
     print("engine ready", flush=True)
     try:
         result = run_jobs(llm, args.max_tokens, args.short, lambda line: print(line, flush=True))

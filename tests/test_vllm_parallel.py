@@ -31,7 +31,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from parallel_run import PROMPTS, SEEDED, run_jobs  # noqa: E402
+from parallel_run import PROMPTS, SEEDED, cache_sizes, run_jobs  # noqa: E402
 from test_vllm_server import demo  # noqa: E402
 from vllm_utils import DRAFTER, PAIR  # noqa: E402
 
@@ -86,14 +86,14 @@ def run_engine(tmp_path, tp: int, spec: dict | None, short: bool = False,
         return json.load(f)
 
 
-def run_here(spec: dict | None) -> dict:
+def run_here(spec: dict | None, max_tokens: int = MAX_TOKENS, num_blocks: int = 0) -> dict:
     """The short job list on an engine in this process (TP = 1: nothing to hang on; saves a
     process's start, ~25 s, per oracle)."""
     from vllm_utils import close, make_llm
 
-    llm = make_llm(spec, max_num_seqs=8)
+    llm = make_llm(spec, max_num_seqs=8, **cache_sizes(num_blocks))
     try:
-        return run_jobs(llm, MAX_TOKENS, short=True)
+        return run_jobs(llm, max_tokens, short=True)
     finally:
         close(llm)
 
@@ -159,16 +159,22 @@ def test_pp2_default_policy(tmp_path, plain, seeded, num_blocks):
     """--pipeline-parallel-size 2 ("static", the default there): the short job list, 64
     tokens, against plain decoding and the TP = 1 seeds; with a K/V cache of 10 blocks of 32
     tokens, requests are preempted and resumed (the first stage rebuilds them from its token
-    history, stages.complete_histories). The first stage moved its layers' K/V by the accepted
-    paths the scheduler relayed (stages.py): as many moves as the last stage made by its own
-    walks, less those of each request's final step (never scheduled again) and of the steps
-    before a preemption (recomputed). (PP = 2 with TP = 2 is four ranks: more than this
-    machine's two cores hold reliably; it is run by hand, docs/parallelism.md.)"""
+    history, stages.complete_histories). The stages draft, accept and move exactly as one
+    engine at TP = 1 with the same policy and cache: as many preemptions, and the last stage as
+    many K/V moves (so the same drafts: its drafter embeds with the target's embedding,
+    proposer.load_target_embedding); the first stage moved its layers' K/V by the accepted
+    paths the scheduler relayed (stages.py), all of them but those of each request's final
+    step (never scheduled again) and of the steps before a preemption (recomputed). (PP = 2
+    with TP = 2 is four ranks: more than this machine's two cores hold reliably; it is run by
+    hand, docs/parallelism.md.)"""
     result = run_engine(tmp_path, 1, ddtree(), short=True, max_tokens=64, pp=2,
                         num_blocks=num_blocks)
     check_run(result, plain, seeded, max_tokens=64)
+    one_engine = run_here(ddtree(ddtree_budget_policy="static"), 64, num_blocks)
+    assert result["preemptions"] == one_engine["preemptions"]
     assert (result["preemptions"] > 0) == bool(num_blocks), result["preemptions"]
     first, last = result["moved_slots_per_rank"]
+    assert last == one_engine["moved_slots_per_rank"][0]
     # the last stage's drafter embeds tokens with the target's embedding (vLLM shares it only
     # without pipeline parallelism; the tiny drafter has none of its own)
     from safetensors import safe_open
