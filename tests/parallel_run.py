@@ -1,11 +1,14 @@
 """One engine on the tiny pair, in its own process, for tests/test_vllm_parallel.py.
 
-``python tests/parallel_run.py --out FILE [--tp 2] [--pp 2] [--spec JSON] [--max-tokens N]``
+``python tests/parallel_run.py --out FILE [--tp 2] [--pp 2] [--spec JSON] [--max-tokens N]
+[--num-blocks N] [--short]``
 starts an engine (tensor parallel over ``--tp`` CPU ranks, pipeline parallel over ``--pp``
 stages, one core per rank), runs every job of
-:func:`jobs` and writes a JSON file: the output token ids per job, and per rank the rows ddtree
-verified as chains because their drafts were not a proposal. It prints a line after each job,
-so the test's watchdog can tell a hang (no line for a while) from a slow machine.
+:func:`jobs` and writes a JSON file: the output token ids per job, the preemptions, and per rank
+the rows ddtree verified as chains because their drafts were not a proposal, the K/V slots it
+moved and its drafter's embedding sum. ``--num-blocks N``: a K/V cache of N blocks of 32 tokens
+(few blocks: requests preempt). It prints a line after each job, so the test's watchdog can
+tell a hang (no line for a while) from a slow machine.
 """
 
 from __future__ import annotations
