@@ -497,16 +497,14 @@ def _wrap_update_draft_token_ids(original):
         for req_id, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
             request = self.requests.get(req_id)
             parents = trees.get(req_id)
-            if (parents is None or request is None or request.is_finished()
-                    or request.is_prefill_chunk or not request.use_structured_output):
+            live = request is not None and not (request.is_finished()
+                                                or request.is_prefill_chunk)
+            if parents is None or not live or not request.use_structured_output:
                 if request is not None:
-                    tree = None
-                    if parents is not None and not (request.is_finished()
-                                                    or request.is_prefill_chunk):
-                        # pipeline parallelism sends every tree: the stages before the last
-                        # verify them (stages.py)
-                        tree = (list(range(len(drafts))), parents)
-                    setattr(request, grammar.TREE_ATTR, tree)
+                    # pipeline parallelism sends every tree: the stages before the last verify
+                    # them (stages.py)
+                    setattr(request, grammar.TREE_ATTR, (list(range(len(drafts))), parents)
+                            if parents is not None and live else None)
                 plain_ids.append(req_id)
                 plain_drafts.append(drafts)
                 continue
@@ -773,21 +771,21 @@ def _wrap_prepare_inputs(original):
         starts = [0]
         for n in num_scheduled_tokens[: num_reqs - 1].tolist():
             starts.append(starts[-1] + int(n))
-        req_ids = self.input_batch.req_ids[:num_reqs]
+        req_ids = list(self.input_batch.req_ids[:num_reqs])
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         scheduled = [spec_tokens.get(req_id, ()) for req_id in req_ids]
         if state.stage is not None:  # the scheduler's trees are this stage's proposals
             from vllm_ddtree.plugin.stages import record_trees
 
-            record_trees(state, list(req_ids), scheduled, scheduler_output.ddtree_trees)
-            state.stage.verified(list(req_ids), self.input_batch.num_computed_tokens_cpu[
+            record_trees(state, req_ids, scheduled, scheduler_output.ddtree_trees)
+            state.stage.verified(req_ids, self.input_batch.num_computed_tokens_cpu[
                 :num_reqs].tolist(), scheduled, scheduler_output.ddtree_trees)
         else:
             kept = getattr(scheduler_output, "ddtree_kept", None)
             if kept:  # structured outputs: the grammar-valid nodes the scheduler kept
                 state.keep_scheduled(kept)  # (grammar.py)
         verify = state.begin_verify(
-            req_ids=list(req_ids),
+            req_ids=req_ids,
             num_draft=num_draft,
             draft_token_ids=spec_decode_metadata.draft_token_ids,
             query_start=starts,
