@@ -183,15 +183,9 @@ def test_compactor_on_the_cpu_layout_skips_either_side_without_host_sync():
     before = [c.clone() for c in caches]
     layers = {f"L{i}": SimpleNamespace(kv_cache=c, isa=isa) for i, c in enumerate(caches)}
     layers["S0"] = SimpleNamespace(kv_cache=caches[0], isa=isa)  # shares L0's cache
-    runner = SimpleNamespace(
-        drafter=SimpleNamespace(_draft_attn_layer_names={"L3"}),
-        kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(
-            layer_names=list(layers), kv_cache_spec=SimpleNamespace(head_size=d))]),
-        compilation_config=SimpleNamespace(static_forward_context=layers),
-        input_batch=SimpleNamespace(block_table=[SimpleNamespace(
-            slot_mapping=SimpleNamespace(gpu=slot_mapping))]),
-    )
-    compactor = KVCompactor(runner)
+    groups = [SimpleNamespace(layer_names=list(layers), kv_cache_spec=SimpleNamespace(head_size=d))]
+    compactor = KVCompactor(groups, layers, {"L3"}, depth=4,
+                            slot_mapping=lambda gid, n: slot_mapping[:n])
     assert [len(g.caches) for g in compactor.groups] == [3]  # L0 (= S0), L1, L2
     src_rows = torch.tensor([-1, 44, 48, 51, 60, -1, 9], dtype=torch.int64)
     dst_rows = torch.tensor([-1, 42, 43, 44, 57, 7, -1], dtype=torch.int64)

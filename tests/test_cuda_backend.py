@@ -154,7 +154,7 @@ def test_compaction_on_the_cuda_layout(physical_nhd):
     before = [c.clone() for c in caches]
     slot_mapping = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:64]  # row -> slot
     runner = fake_runner(caches, slot_mapping, drafter_layers=["L3"], shared=["S0"])
-    compactor = KVCompactor(runner, use_triton=True)
+    compactor = KVCompactor.of_v1_runner(runner, use_triton=True)
     assert [len(g.caches) for g in compactor.groups] == [3]  # L0 (= S0), L1, L2
     # the tree pattern: accepted nodes move down onto the first draft rows (overlapping)
     src_rows = torch.tensor([-1, 44, 48, 51, 60, -1], dtype=torch.int64)
@@ -197,7 +197,7 @@ def test_kernels_compile_once_for_every_batch(monkeypatch):
     slot_mapping = torch.arange(NUM_BLOCKS * BLOCK_SIZE)
     impl = DDTreeTritonImpl(NUM_HEADS, HEAD_DIM, HEAD_DIM**-0.5, NUM_KV_HEADS, None, None, "auto")
     runner = fake_runner(caches, slot_mapping, impl=impl, budget=12)
-    compactor = KVCompactor(runner, use_triton=True)
+    compactor = KVCompactor.of_v1_runner(runner, use_triton=True)
     compactor.warm_up()
     warm_up_tree_attention(runner)
     warm = (set(compact_kv_launches.keys), set(attention_launches.keys),

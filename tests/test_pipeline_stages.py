@@ -172,8 +172,8 @@ def _runner(caches, block_table: np.ndarray, slot_mapping: torch.Tensor, index: 
             layer_names=list(layers), kv_cache_spec=SimpleNamespace(head_size=32))]),
         compilation_config=SimpleNamespace(static_forward_context=layers),
         input_batch=SimpleNamespace(block_table=[table], req_id_to_index=index),
-        device=torch.device("cpu"))
-    runner.ddtree_compactor = KVCompactor(runner)
+        device=torch.device("cpu"), ddtree_state=SimpleNamespace(depth=DEPTH))
+    runner.ddtree_compactor = KVCompactor.of_v1_runner(runner)
     return runner
 
 

@@ -81,7 +81,7 @@ def test_valid_config_is_accepted_and_tagged():
     assert config.speculative_config.num_speculative_tokens == 8
     assert config.additional_config["ddtree"] == {"budget": 8, "depth": BLOCK_SIZE - 1,
                                                   "mode": "tree", "budget_policy": "static",
-                                                  "tree_temperature": 1.0}
+                                                  "tree_temperature": 1.0, "runner": "v1"}
     assert config.speculative_config.ddtree_options.budget == 8
     # the drafter runs its bonus + L mask queries, whatever B: L + 1 lookahead K/V slots and
     # L drafter slots of the token budget (vLLM's dflash reserves B + 1 and B)
@@ -383,17 +383,20 @@ def test_register_is_idempotent_and_inert_without_ddtree():
     assert plain.speculative_config is None
     assert "ddtree" not in (plain.additional_config or {})
     assert plain.num_lookahead_tokens == 0
-    assert "ddtree tree speculative decoding" not in \
-        plain._get_v2_model_runner_unsupported_features()
+    assert not any("ddtree" in f for f in plain._get_v2_model_runner_unsupported_features())
 
     dflash = engine_config({"method": "dflash", "model": DRAFTER, "num_speculative_tokens": 8})
     assert dflash.speculative_config.method == "dflash"
     assert "ddtree" not in (dflash.additional_config or {})
     assert getattr(dflash.speculative_config, "ddtree_options", None) is None
+    # what ddtree serves on the V1 runner only is what vLLM hears as unsupported on V2 (so
+    # that it picks V1 where it would pick V2); static trees run on both
     tree = engine_config(ddtree_spec(8))
-    assert "ddtree tree speculative decoding" in tree._get_v2_model_runner_unsupported_features()
-    assert "ddtree tree speculative decoding" not in \
-        dflash._get_v2_model_runner_unsupported_features()
+    assert not any("ddtree" in f for f in tree._get_v2_model_runner_unsupported_features())
+    auto = engine_config(ddtree_spec(8, ddtree_budget_policy="auto"))
+    assert "ddtree with ddtree_budget_policy 'auto'" in \
+        auto._get_v2_model_runner_unsupported_features()
+    assert not any("ddtree" in f for f in dflash._get_v2_model_runner_unsupported_features())
 
 
 def test_version_guard_in_a_fresh_process():

@@ -19,6 +19,7 @@ and no host-to-device copy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -87,16 +88,21 @@ def target_cache_groups(kv_cache_groups, forward_context, drafter_layers) -> lis
 class KVCompactor:
     """Moves accepted K/V to chain slots in every target layer (see the module doc)."""
 
-    def __init__(self, runner, use_triton: bool | None = None):
-        """``use_triton``: compact with the Triton kernel (vLLM's CUDA cache layout); None
-        decides by the caches' device (tests force it on the CPU under TRITON_INTERPRET=1)."""
-        self._runner = runner
-        drafter_layers = set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ())
-        self.groups = target_cache_groups(
-            runner.kv_cache_config.kv_cache_groups,
-            runner.compilation_config.static_forward_context,
-            drafter_layers,
-        )
+    def __init__(self, kv_cache_groups, forward_context: dict, drafter_layers, depth: int,
+                 slot_mapping: Callable[[int, int], torch.Tensor],
+                 use_triton: bool | None = None):
+        """``kv_cache_groups``: vLLM's KV-cache groups; ``forward_context``: layer name ->
+        layer (``compilation_config.static_forward_context``); ``drafter_layers``: the
+        drafter's layer names (never moved); ``depth``: L, the pairs per request in every
+        verify step; ``slot_mapping(group_id, num_tokens)``: the K/V slot of each of the
+        step's rows in that group (the runner's buffer: V1 and V2 keep it in different
+        places). ``use_triton``: compact with the Triton kernel (vLLM's CUDA cache layout);
+        None decides by the caches' device (tests force it on the CPU under
+        TRITON_INTERPRET=1)."""
+        self.depth = depth
+        self.slot_mapping = slot_mapping
+        self.groups = target_cache_groups(kv_cache_groups, forward_context,
+                                          set(drafter_layers or ()))
         for group in self.groups:
             if use_triton if use_triton is not None else group.caches[0].is_cuda:
                 group.table = KVCacheTable.from_caches(
@@ -112,6 +118,16 @@ class KVCompactor:
                         [], layout.offsets.contiguous(), layout.slot_stride))
                     entry[0].append(layout.flat)
                 group.native = list(shared.values())
+
+    @classmethod
+    def of_v1_runner(cls, runner, use_triton: bool | None = None) -> KVCompactor:
+        """The compactor of vLLM's V1 runner: its slots are in the input batch's block tables."""
+        return cls(runner.kv_cache_config.kv_cache_groups,
+                   runner.compilation_config.static_forward_context,
+                   getattr(runner.drafter, "_draft_attn_layer_names", ()),
+                   runner.ddtree_state.depth,
+                   lambda gid, n: runner.input_batch.block_table[gid].slot_mapping.gpu[:n],
+                   use_triton)
 
     def compact(self, src_rows: torch.Tensor, dst_rows: torch.Tensor, num_tokens: int,
                 num_requests: int, slot_mappings: dict[int, torch.Tensor] | None = None) -> None:
@@ -131,11 +147,10 @@ class KVCompactor:
         (a pipeline stage's moves of the previous step, ``stages.py``).
         """
         skip = None
-        block_tables = self._runner.input_batch.block_table
         for group in self.groups:
             # query row -> K/V slot of this group (each group has its own block table); a -1
             # row reads the last row's slot, replaced just below
-            slot_mapping = (block_tables[group.group_id].slot_mapping.gpu[:num_tokens]
+            slot_mapping = (self.slot_mapping(group.group_id, num_tokens)
                             if slot_mappings is None else slot_mappings[group.group_id])
             if group.table is None and (ops := cpu_ops(slot_mapping.device)) is not None:
                 # the fused CPU kernel: every cache of a slot layout in one op
@@ -163,7 +178,7 @@ class KVCompactor:
         request (the drafting depth L, fixed per engine), not on the number of requests (see
         ``compact_kv``), so this one launch per group covers every step.
         """
-        depth = self._runner.ddtree_state.depth  # pairs per request in every verify step
+        depth = self.depth  # pairs per request in every verify step
         for group in self.groups:
             if group.table is None:
                 continue

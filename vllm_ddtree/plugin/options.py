@@ -60,6 +60,7 @@ class DDTreeOptions:
     mode: str = "tree"  # "tree" | "hsd_chain"
     budget_policy: str | tuple[tuple[int, int], ...] = DEFAULT_POLICY  # see the module doc
     tree_temperature: float = 1.0  # trees from softmax(drafter logits / this), see above
+    runner: str = "v1"  # vLLM's model runner the engine uses: "v1" or "v2" (choose_runner)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -79,13 +80,56 @@ def ddtree_options(vllm_config) -> DDTreeOptions | None:
     return None if data is None else DDTreeOptions.from_dict(data)
 
 
-def split_speculative_config(spec: dict, pipeline_parallel_size: int = 1
+V1_ONLY = "runs on vLLM's V1 model runner only so far"
+
+
+def v1_only(mode: str, policy, pipeline_parallel_size: int) -> str | None:
+    """What of a ddtree configuration ddtree serves on vLLM's V1 model runner only (None: it
+    runs on either). ``policy``: the budget policy the user gave (None: the default)."""
+    if mode == "hsd_chain":
+        return "ddtree_mode 'hsd_chain'"
+    if pipeline_parallel_size > 1:
+        return "pipeline parallelism"
+    if policy is not None and policy != "static":
+        return f"ddtree_budget_policy {_show(policy)}"
+    return None
+
+
+def choose_runner(mode: str, policy, pipeline_parallel_size: int, use_v2_env: bool | None,
+                  has_triton: bool) -> str:
+    """The model runner a ddtree engine will use: "v1" or "v2".
+
+    vLLM's own rule (``VllmConfig.use_v2_model_runner``): ``VLLM_USE_V2_MODEL_RUNNER`` when set
+    (``use_v2_env``), else V2 where Triton is usable. ddtree on V2 serves trees with the static
+    budget policy, without pipeline parallelism so far (:func:`v1_only`); an engine that asks
+    for more runs V1 (the plugin tells vLLM so: ``patches._wrap_v2_unsupported``), and one that
+    forces V2 with it is refused. ``policy``: the budget policy the user gave (None: the
+    default).
+
+    Example: ("tree", None, 1, None, True) -> "v2"; ("tree", "auto", 1, None, True) -> "v1".
+    """
+    if use_v2_env is False or (use_v2_env is None and not has_triton):
+        return "v1"
+    reason = v1_only(mode, policy, pipeline_parallel_size)
+    if reason is None:
+        return "v2"
+    if use_v2_env:
+        raise DDTreeConfigError(
+            f"ddtree: {reason} {V1_ONLY}, and VLLM_USE_V2_MODEL_RUNNER=1 asks for Model Runner "
+            "V2; unset VLLM_USE_V2_MODEL_RUNNER (or set it to 0), or leave that option out")
+    return "v1"
+
+
+def split_speculative_config(spec: dict, pipeline_parallel_size: int = 1,
+                             use_v2_env: bool | None = False, has_triton: bool = False
                              ) -> tuple[dict, DDTreeOptions]:
     """Split a user's ``method: "ddtree"`` config into vLLM's dflash config and our options.
 
-    Under pipeline parallelism the budget policy defaults to "static" and "auto" is refused:
-    auto's cost model times whole forwards of the target on one worker, which a pipeline
-    stage cannot run alone.
+    The runner (:func:`choose_runner`; the defaults here mean V1) sets the default budget
+    policy: "auto" on V1, "static" on V2 (the only policy there so far). Under pipeline
+    parallelism the budget policy defaults to "static" and "auto" is refused: auto's cost
+    model times whole forwards of the target on one worker, which a pipeline stage cannot run
+    alone.
 
     Example: ``{"method": "ddtree", "model": "d", "num_speculative_tokens": 64,
     "ddtree_depth": 7}`` -> ``({"method": "dflash", "model": "d",
@@ -123,8 +167,13 @@ def split_speculative_config(spec: dict, pipeline_parallel_size: int = 1
     mode = spec.pop("ddtree_mode", "tree")
     if mode not in MODES:
         raise DDTreeConfigError(f"ddtree: ddtree_mode={mode!r} must be one of {list(MODES)}")
-    default = "static" if mode == "hsd_chain" or pipeline_parallel_size > 1 else DEFAULT_POLICY
-    policy = _budget_policy(spec.pop("ddtree_budget_policy", default), budget)
+    given = spec.pop("ddtree_budget_policy", None)
+    if given is not None:
+        given = _budget_policy(given, budget)
+    runner = choose_runner(mode, given, pipeline_parallel_size, use_v2_env, has_triton)
+    default = ("static" if mode == "hsd_chain" or pipeline_parallel_size > 1 or runner == "v2"
+               else DEFAULT_POLICY)
+    policy = default if given is None else given
     if policy == "auto" and pipeline_parallel_size > 1:
         raise DDTreeConfigError(
             f"ddtree: ddtree_budget_policy 'auto' is not supported with "
@@ -150,7 +199,7 @@ def split_speculative_config(spec: dict, pipeline_parallel_size: int = 1
         )
     spec["method"] = "dflash"
     return spec, DDTreeOptions(budget=budget, depth=depth, mode=mode, budget_policy=policy,
-                               tree_temperature=float(temperature))
+                               tree_temperature=float(temperature), runner=runner)
 
 
 def _show(policy) -> str:

@@ -86,6 +86,7 @@ from vllm_ddtree.plugin.options import (
     ddtree_options,
     resolve_depth,
     split_speculative_config,
+    v1_only,
 )
 from vllm_ddtree.plugin.policy import critical_tokens
 from vllm_ddtree.plugin.state import renumbered_parents, tokens_left
@@ -125,6 +126,10 @@ def install() -> None:
         EngineArgs.create_speculative_config)
     VllmConfig._get_v2_model_runner_unsupported_features = _wrap_v2_unsupported(
         VllmConfig._get_v2_model_runner_unsupported_features)
+    VllmConfig._validate_v1_model_runner = _wrap_validate_runner(
+        VllmConfig._validate_v1_model_runner, "v1")
+    VllmConfig._validate_v2_model_runner = _wrap_validate_runner(
+        VllmConfig._validate_v2_model_runner, "v2")
     VllmConfig.num_lookahead_tokens = property(
         _wrap_lookahead(VllmConfig.num_lookahead_tokens.fget))
     VllmConfig.max_concurrent_batches = property(
@@ -161,6 +166,7 @@ def install() -> None:
     for cls in (Worker, CPUWorker):
         cls.compile_or_warm_up_model = _wrap_compile_or_warm_up_model(
             cls.compile_or_warm_up_model)
+    _install_v2()
     register_backend(
         AttentionBackendEnum.CPU_ATTN, "vllm_ddtree.plugin.cpu_attention.DDTreeCPUBackend"
     )
@@ -185,13 +191,21 @@ def _wrap_create_speculative_config(original):
                 object.__setattr__(config, "ddtree_options", DDTreeOptions.from_dict(tagged))
             return config
         spec = {k.replace("-", "_"): v for k, v in spec.items()}
+        import vllm.envs as envs
+        from vllm.triton_utils import HAS_TRITON
+
         dflash_spec, options = split_speculative_config(
-            spec, target_parallel_config.pipeline_parallel_size)
-        if self.async_scheduling:
-            raise DDTreeConfigError(
-                "ddtree: async scheduling is not supported yet; drop --async-scheduling"
-            )
-        self.async_scheduling = False
+            spec, target_parallel_config.pipeline_parallel_size,
+            envs.VLLM_USE_V2_MODEL_RUNNER, HAS_TRITON)
+        if options.runner == "v1":
+            # vLLM's V1 runner: ddtree's adapter there does not support async scheduling
+            # (vLLM turns it on by default for dflash); Model Runner V2's does
+            if self.async_scheduling:
+                raise DDTreeConfigError(
+                    "ddtree: async scheduling needs Model Runner V2 (vLLM's default where "
+                    "Triton runs, with the static budget policy and no pipeline "
+                    "parallelism); on the V1 runner drop --async-scheduling")
+            self.async_scheduling = False
         _select_attention_backend(self)
         self.speculative_config = dflash_spec
         try:
@@ -358,11 +372,31 @@ def _wrap_v2_unsupported(original):
     @functools.wraps(original)
     def unsupported(self):
         features = original(self)
-        if ddtree_options(self) is not None:
-            features = [*features, "ddtree tree speculative decoding"]
+        options = ddtree_options(self)
+        if options is not None and options.runner == "v1":
+            # what ddtree serves on the V1 runner only (options.v1_only); vLLM then picks V1
+            reason = v1_only(options.mode, options.budget_policy,
+                             self.parallel_config.pipeline_parallel_size)
+            if reason is not None:
+                features = [*features, f"ddtree with {reason}"]
         return features
 
     return unsupported
+
+
+def _wrap_validate_runner(original, runner: str):
+    @functools.wraps(original)
+    def validate(self):
+        original(self)
+        options = ddtree_options(self)
+        if options is not None and options.runner != runner:
+            raise DDTreeConfigError(
+                f"ddtree: the engine runs vLLM's model runner {runner.upper()}, but its ddtree "
+                f"configuration was made for {options.runner.upper()} (a setting that forces "
+                "a runner, such as watermarking or HiSparse, came after it); set "
+                f"VLLM_USE_V2_MODEL_RUNNER={1 if runner == 'v2' else 0} to choose one")
+
+    return validate
 
 
 def _wrap_lookahead(original):
@@ -610,7 +644,7 @@ def _wrap_initialize_kv_cache(original):
         from vllm_ddtree.plugin.ranks import check_every_step
 
         self.ddtree_state.check_ranks = check_every_step()
-        self.ddtree_compactor = KVCompactor(self)
+        self.ddtree_compactor = KVCompactor.of_v1_runner(self)
         self.ddtree_compactor.warm_up()
         if self.device.type == "cuda":
             from vllm_ddtree.kernels import verify_steps
@@ -1023,3 +1057,47 @@ def _paused_drafter_step(runner, state, scheduler_output, aux_hidden_states) -> 
         runner.drafter.store_context(
             torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1), num_tokens)
     return [[] for _ in runner.input_batch.req_ids]
+
+
+# 11. Model Runner V2 (vllm_ddtree/plugin/v2) -----------------------------------------------
+
+
+def _install_v2() -> None:
+    """V2 builds its speculator with ``spec_decode.init_speculator`` (imported by name into
+    its runner's module: patched in both) and the target's model state with
+    ``model_states.resolve_model_state_cls`` (looked up when called)."""
+    import sys
+
+    from vllm.v1.worker.gpu import model_states, spec_decode
+
+    spec_decode.init_speculator = _wrap_init_speculator(spec_decode.init_speculator)
+    runner_module = sys.modules.get("vllm.v1.worker.gpu.model_runner")
+    if runner_module is not None:  # imported before the plugin: its own name too
+        runner_module.init_speculator = spec_decode.init_speculator
+    model_states.resolve_model_state_cls = _wrap_resolve_model_state_cls(
+        model_states.resolve_model_state_cls)
+
+
+def _wrap_init_speculator(original):
+    @functools.wraps(original)
+    def init_speculator(vllm_config, device, req_states):
+        if ddtree_options(vllm_config) is None:
+            return original(vllm_config, device, req_states)
+        from vllm_ddtree.plugin.v2.speculator import DDTreeSpeculator
+
+        return DDTreeSpeculator(vllm_config, device)
+
+    return init_speculator
+
+
+def _wrap_resolve_model_state_cls(original):
+    @functools.wraps(original)
+    def resolve_model_state_cls(vllm_config, model):
+        cls = original(vllm_config, model)
+        if ddtree_options(vllm_config) is None or vllm_config.speculative_config is None:
+            return cls
+        from vllm_ddtree.plugin.v2.model_state import tree_model_state
+
+        return tree_model_state(cls)
+
+    return resolve_model_state_cls

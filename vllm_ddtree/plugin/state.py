@@ -145,6 +145,40 @@ def renumbered_parents(parents: list[int], kept: list[int]) -> list[int]:
     return [new[parents[old]] if parents[old] >= 0 else -1 for old in kept]
 
 
+def accepted_moves(accepted_rows: torch.Tensor, starts: torch.Tensor, num_tokens: int,
+                   moved: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The K/V moves of a verify step and the drafter's hidden-state gather index.
+
+    Accepted node q_j at depth j sits at query row ``start + q_j + 1`` and must move to
+    ``start + j`` (its chain slot). ``accepted_rows [R, L + 1]``: the walk's rows of each
+    request (0 for the root, node + 1, -1 past the path); ``starts [R]``: each request's root
+    row in the step's ``num_tokens`` flat rows (device). Returns ``(src, dst)`` flat rows
+    ``[R * L]``, -1 where nothing moves, and the gather index ``[num_tokens]`` (dst row reads
+    src row, the identity elsewhere); the moved slots are added to ``moved`` (a 0-dim int64
+    counter). Example: a request whose rows start at 40 with accepted nodes [0, 3, 7] -> src
+    rows [-1, 44, 48], dst rows [-1, 42, 43] (node 0 is already in place). One op on the CPU
+    (the fused kernel), one launch on CUDA (Triton), else the torch path below; no host
+    synchronisation."""
+    ops = cpu_ops(accepted_rows.device)
+    if ops is not None:
+        return tuple(ops.finish_verify(accepted_rows, starts, num_tokens, moved))
+    if triton_stages(accepted_rows.device):
+        return finish_verify_triton(accepted_rows, starts, num_tokens, moved)
+    device = accepted_rows.device
+    rows = accepted_rows[:, 1:]  # [R, L] query rows within the request, -1 pad
+    identity = cached_arange(num_tokens + 1, device)  # row T: a sentinel
+    depth = cached_arange(rows.shape[1] + 1, device)[1:]  # the chain slots 1..L
+    accepted = rows >= 0
+    # pairs that are not accepted become (T, T): a move of the sentinel row onto itself
+    src = torch.where(accepted, starts[:, None] + rows, num_tokens).flatten()
+    dst = torch.where(accepted, starts[:, None] + depth, num_tokens).flatten()
+    gather_index = identity.clone().scatter_(0, dst, src)[:num_tokens]
+    moves = src != dst
+    src = torch.where(moves, src, -1)
+    moved += (src >= 0).sum()
+    return src, torch.where(moves, dst, -1), gather_index
+
+
 class ProposalStore:
     """Each request's latest proposal, kept on the device until it is verified or replaced.
 
@@ -760,40 +794,13 @@ class TreeState:
         self.gather_index = None
 
     def finish_verify(self, verdict: TreeVerdict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Record the walk's verdict; return the (src, dst) flat query rows of the K/V moves.
-
-        Accepted node q_j at depth j sits at query row ``start + q_j + 1`` and must move to
-        ``start + j`` (its chain slot). Rows that do not move are -1. Example: a request whose
-        rows start at 40 with accepted nodes [0, 3, 7] -> src rows [-1, 44, 48], dst rows
-        [-1, 42, 43] (node 0 is already in place). The drafter's hidden-state gather index is
-        set from the same pairs (the identity elsewhere), and the moves are counted
-        (:attr:`num_compacted_slots`).
-        """
+        """Record the walk's verdict; return the (src, dst) flat query rows of the K/V moves
+        (:func:`accepted_moves`) and keep the drafter's hidden-state gather index."""
         assert self.verify is not None
         self.verdict = verdict
-        num_tokens = self.verify.num_tokens
-        ops = cpu_ops(self.device)
-        if ops is not None:  # the fused CPU kernel: one op (the moved slots counted in it)
-            src, dst, self.gather_index = ops.finish_verify(
-                verdict.accepted_rows, self.verify.starts, num_tokens, self._compacted)
-            return src, dst
-        if triton_stages(self.device):  # the Triton kernel: one launch
-            src, dst, self.gather_index = finish_verify_triton(
-                verdict.accepted_rows, self.verify.starts, num_tokens, self._compacted)
-            return src, dst
-        rows = verdict.accepted_rows[:, 1:]  # [R, L] query rows within the request, -1 pad
-        identity = cached_arange(num_tokens + 1, self.device)  # row T: a sentinel
-        depth = cached_arange(rows.shape[1] + 1, self.device)[1:]  # the chain slots 1..L
-        starts = self.verify.starts[:, None]
-        accepted = rows >= 0
-        # pairs that are not accepted become (T, T): a move of the sentinel row onto itself
-        src = torch.where(accepted, starts + rows, num_tokens).flatten()
-        dst = torch.where(accepted, starts + depth, num_tokens).flatten()
-        self.gather_index = identity.clone().scatter_(0, dst, src)[:num_tokens]
-        moves = src != dst
-        src = torch.where(moves, src, -1)
-        self._compacted += (src >= 0).sum()
-        return src, torch.where(moves, dst, -1)
+        src, dst, self.gather_index = accepted_moves(
+            verdict.accepted_rows, self.verify.starts, self.verify.num_tokens, self._compacted)
+        return src, dst
 
     def take_gather_index(self, num_tokens: int) -> torch.Tensor | None:
         index, self.gather_index = self.gather_index, None

@@ -1,0 +1,95 @@
+"""DDTreeSpeculator: vLLM's V2 DFlash speculator, drafting the optimal tree.
+
+vLLM's ``DFlashSpeculator`` runs the drafter on a block of ``1 + k`` queries per request (the
+bonus token, then k mask tokens) and takes the argmax at each mask position: a chain of k
+drafts. Here the block is ``1 + L`` queries (L = the drafter's depth, whatever the budget B),
+the L per-position distributions go to :func:`vllm_ddtree.tree.build_tree`, and the B node
+tokens (best-first: any prefix is a subtree) become the request's drafts; the tree's structure
+goes to the request's slot (:class:`~vllm_ddtree.plugin.v2.trees.SlotTrees`), where the next
+step's model state finds it. The tree build is device work of fixed shape, so it runs inside
+the drafter's CUDA graph like DFlash's sampling does.
+
+The drafter's context: DFlash keeps the K/V of the committed text in its own cache, rebuilt
+each step from the target's auxiliary hidden states of the step's rows, taking a request's
+accepted rows as a prefix of its span (``num_rejected`` rows at the end are dropped). After a
+tree verify step the accepted rows are scattered over the tree's rows: before DFlash reads
+them, :meth:`DDTreeSpeculator.prepare_context_anchor` gathers the path's rows to the front
+(the verifier's gather index, ``state.accepted_moves``). Their sequential positions are the
+chain positions the accepted tokens now hold, so the context is the committed text's and the
+drafter layers need no compaction.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+from vllm_ddtree.plugin.options import ddtree_options
+from vllm_ddtree.tree import build_tree
+
+
+class DDTreeSpeculator(DFlashSpeculator):
+    _speculator_name = "DDTree"
+
+    def __init__(self, vllm_config, device: torch.device):
+        options = ddtree_options(vllm_config)
+        spec = vllm_config.speculative_config
+        budget = spec.num_speculative_tokens
+        # DFlash sizes its query block and sampling buffers by num_speculative_tokens: the
+        # drafter runs 1 + L queries per request, whatever the tree budget B
+        spec.num_speculative_tokens = options.depth
+        try:
+            super().__init__(vllm_config, device)
+        finally:
+            spec.num_speculative_tokens = budget
+        self.options = options
+        self.step = None  # the model state's TreeStep (set_attn)
+        # [max_num_reqs, B] the drafts of the step's requests: their trees' node tokens
+        self.tree_tokens = torch.zeros(self.max_num_reqs, options.budget, dtype=torch.int64,
+                                       device=device)
+
+    def set_attn(self, model_state, *args, **kwargs) -> None:
+        super().set_attn(model_state, *args, **kwargs)
+        self.step = model_state.ddtree  # the runner's model state is a TreeModelState
+        self.step.drafter_layers = set(self.draft_attn_layer_names)
+
+    def _num_graph_context_tokens(self, num_reqs: int) -> int:
+        # context rows a captured draft step stores: one tree verify (B + 1 rows) per request
+        return min(num_reqs * (self.options.budget + 1), self.max_num_tokens)
+
+    def prepare_context_anchor(self, *args, **kwargs) -> None:
+        """Called by DFlash's ``propose`` once the step's hidden states are in
+        ``self.hidden_states`` and before it lays out the drafter's context: the accepted
+        path's rows move to the front of each request's span (the module doc)."""
+        super().prepare_context_anchor(*args, **kwargs)
+        if self.step is None:  # memory profiling, before the K/V caches exist
+            return
+        num_tokens = self._num_target_tokens
+        gather = self.step.take_gather_index(num_tokens)
+        if gather is not None:
+            self.hidden_states[:num_tokens] = self.hidden_states[:num_tokens].index_select(
+                0, gather)
+
+    def propose(self, input_batch, *args, **kwargs) -> torch.Tensor:
+        """The step's trees: ``[R, B]`` node tokens (0 for padding nodes), stored in their
+        requests' slots with their structure."""
+        self._num_target_tokens = input_batch.num_tokens
+        super().propose(input_batch, *args, **kwargs)
+        return self.tree_tokens[: input_batch.num_reqs]
+
+    def _generate_draft(self, num_reqs: int, num_tokens_padded: int, attn_metadata,
+                        slot_mappings, num_tokens_across_dp,
+                        cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE) -> None:
+        hidden = self._run_model(num_tokens_padded, attn_metadata, slot_mappings,
+                                 num_tokens_across_dp, cudagraph_runtime_mode)
+        depth = self.num_speculative_steps  # L mask positions per request
+        num_sample = num_reqs * depth
+        logits = self.model.compute_logits(hidden[self.sample_indices[:num_sample]])
+        tree = build_tree(logits.view(num_reqs, depth, -1), self.options.budget,
+                          temperature=self.options.tree_temperature)
+        if self.step is None:  # memory profiling, before the K/V caches exist
+            return
+        # each request's slot (-1 for a padding row: its tree goes nowhere)
+        slots = self.sample_idx_mapping[:num_sample].view(num_reqs, depth)[:, 0]
+        self.tree_tokens[:num_reqs] = self.step.trees.store(slots, tree)

@@ -1,0 +1,112 @@
+"""Each request slot's tree, from the step that drafts it to the step that verifies it.
+
+V2 indexes a request's state by a slot (``RequestState.req_id_to_index``) and keeps its drafts
+in ``RequestState.draft_tokens[slot]``. :class:`SlotTrees` keeps the rest of the tree in
+buffers indexed by the same slot, in the proposal store's layout (``state.ProposalStore``):
+``nodes [S + 2, 3, B]`` (token, parent, depth), ``scores [S + 2, B]`` and the packed ancestor
+rows ``mask [S + 2, B + 1, W]``. Row ``S`` is the empty tree (B padding nodes) and row
+``S + 1`` takes the writes of a batch's padding rows (CUDA-graph padding, dummy runs), so
+every read and write is one gather or ``index_copy_`` of fixed shape, with no host data.
+
+A request enters its slot with the empty tree (:meth:`SlotTrees.reset`): until the drafter
+writes its first tree, whatever drafts the step verifies for it (placeholders, or zeros) are
+padding nodes, never accepted. A request whose features read a row's history as a chain of
+drafts (see :func:`needs_chain_history`) keeps the empty tree: it is verified with no node,
+so vLLM's own sampler serves its one real row (the root) exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_ddtree.plugin.state import _verify_constants
+from vllm_ddtree.tree import PADDING_TOKEN_ID, DraftTree
+
+
+def needs_chain_history(sampling_params) -> list[str]:
+    """The features of a request that vLLM's V2 sampler computes from a row's chain of drafts
+    (the rows before it in the request's block): penalties, bad words, the thinking budget,
+    and structured outputs (the scheduler validates drafts as a chain and fills one bitmask
+    row per draft position). Tree rows have a path, not a chain, so such a request is served
+    without draft nodes on V2 (its root row is exact). Empty: the request drafts trees."""
+    if sampling_params is None:
+        return []
+    found = []
+    if (sampling_params.repetition_penalty != 1.0 or sampling_params.frequency_penalty != 0.0
+            or sampling_params.presence_penalty != 0.0):
+        found.append("penalties")
+    if sampling_params.bad_words:
+        found.append("bad_words")
+    if getattr(sampling_params, "thinking_token_budget", None) is not None:
+        found.append("thinking_token_budget")
+    if sampling_params.structured_outputs is not None:
+        found.append("structured outputs")
+    return found
+
+
+class SlotTrees:
+    """The trees of every request slot (see the module doc)."""
+
+    def __init__(self, num_slots: int, budget: int, depth: int, device: torch.device):
+        self.budget, self.depth, self.device = budget, depth, device
+        self.empty_slot, self.padding_slot = num_slots, num_slots + 1
+        rows = num_slots + 2
+        *_, pad_mask, _ = _verify_constants(budget, depth, device)
+        self.pad_mask = pad_mask  # [B + 1, W] the ancestor rows of a tree of padding nodes
+        self.nodes = torch.empty(rows, 3, budget, dtype=torch.int64, device=device)
+        self.nodes[:, 0], self.nodes[:, 1], self.nodes[:, 2] = PADDING_TOKEN_ID, -1, 0
+        self.scores = torch.full((rows, budget), float("-inf"), device=device)
+        self.mask = pad_mask.expand(rows, -1, -1).clone()
+        # [S + 2] bool: the slot's request is verified without nodes (needs_chain_history)
+        self.no_tree = torch.zeros(rows, dtype=torch.bool, device=device)
+
+    def reset(self, slot: int, no_tree: bool) -> None:
+        """A request enters ``slot``: the empty tree until the drafter writes one."""
+        for buf in (self.nodes, self.scores, self.mask):
+            buf[slot] = buf[self.empty_slot]
+        self.no_tree[slot] = no_tree
+
+    def store(self, slots: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+        """Keep ``tree`` (row r for slot ``slots[r]``; -1: a padding row) until it is verified.
+
+        Returns the node tokens ``[R, B]`` the runner stores as the slots' drafts: the tree's,
+        with 0 for padding nodes (they become input ids; the tree marks them padding) and for
+        requests verified without nodes. Device ops only.
+        """
+        target = torch.where(slots < 0, self.padding_slot, slots)
+        keep = ~self.no_tree[target]  # [R]
+        nodes = torch.stack([tree.token_ids, tree.parents, tree.depths], dim=1)  # [R, 3, B]
+        empty = self.empty_slot
+        self.nodes.index_copy_(0, target, torch.where(keep[:, None, None], nodes,
+                                                      self.nodes[empty]))
+        self.scores.index_copy_(0, target, torch.where(keep[:, None], tree.scores,
+                                                       self.scores[empty]))
+        self.mask.index_copy_(0, target, torch.where(keep[:, None, None], tree.ancestor_mask,
+                                                     self.pad_mask))
+        return torch.where(keep[:, None] & (tree.depths > 0), tree.token_ids, 0)
+
+    def batch(self, slots: torch.Tensor, num_draft: torch.Tensor, width: int) -> DraftTree:
+        """The verify trees of a step: request r verifies the first ``num_draft[r]`` nodes of
+        slot ``slots[r]``'s tree (any prefix of a best-first tree is a subtree: the scheduler
+        may cut a request's drafts near ``max_model_len``), padded to ``width`` nodes.
+
+        ``slots [R]``, ``num_draft [R]`` on the device; ``width`` (host) >= every count.
+        Example: a slot with nodes (token, parent) [(5, -1), (7, -1), (9, 0)] and 2 drafts ->
+        tokens [5, 7, -1], parents [-1, -1, -1]: node 2 is padding.
+        """
+        node = torch.arange(width, device=self.device)
+        real = (node[None, :] < num_draft[:, None]) & (self.nodes[slots, 2, :width] > 0)
+        nodes = self.nodes[slots, :, :width]
+        words = (width + 1 + 31) // 32
+        rows_real = torch.cat([torch.ones_like(real[:, :1]), real], dim=1)  # [R, width + 1]
+        mask = torch.where(rows_real[:, :, None], self.mask[slots, : width + 1, :words],
+                           self.pad_mask[: width + 1, :words])
+        return DraftTree(
+            token_ids=torch.where(real, nodes[:, 0], PADDING_TOKEN_ID),
+            parents=torch.where(real, nodes[:, 1], -1),
+            depths=torch.where(real, nodes[:, 2], 0),
+            scores=torch.where(real, self.scores[slots, :width], float("-inf")),
+            num_nodes=real.sum(dim=1),
+            ancestor_mask=mask,
+            max_depth=min(self.depth, width),
+        )
