@@ -1,9 +1,10 @@
 """One engine on the tiny pair, in its own process, for tests/test_vllm_parallel.py.
 
 ``python tests/parallel_run.py --out FILE [--tp 2] [--pp 2] [--spec JSON] [--max-tokens N]
-[--num-blocks N] [--short]``
+[--num-blocks N] [--short] [--v2]``
 starts an engine (tensor parallel over ``--tp`` CPU ranks, pipeline parallel over ``--pp``
-stages, one core per rank), runs every job of
+stages, one core per rank; ``--v2``: on vLLM's Model Runner V2, tests/v2_harness.py, with
+async scheduling where ``V2_ASYNC=1``), runs every job of
 :func:`jobs` and writes a JSON file: the output token ids per job, the preemptions, and per rank
 the rows ddtree verified as chains because their drafts were not a proposal, the K/V slots it
 moved and its drafter's embedding sum. ``--num-blocks N``: a K/V cache of N blocks of 32 tokens
@@ -16,8 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
-from vllm_utils import PROMPTS as _TINY_PROMPTS  # this folder is the script's sys.path[0]
+if "--v2" in sys.argv:  # before vLLM is imported, here and in every spawned rank
+    import v2_harness  # noqa: F401  (this folder is the script's sys.path[0])
+
+from vllm_utils import PROMPTS as _TINY_PROMPTS
 
 PROMPTS = [*_TINY_PROMPTS, "def parse_args(argv):\n    parser = argparse.ArgumentParser(",
            "    return self."]
@@ -25,20 +30,23 @@ SEEDED = dict(temperature=0.8, top_p=0.9, top_k=50)
 STRUCTURED_REGEX = r"[a-z ]{40,80}\."
 FEATURES = [dict(presence_penalty=0.8, frequency_penalty=0.4, repetition_penalty=1.2, logprobs=2),
             dict(bad_words=["self", " in"], ignore_eos=True),
-            dict(min_tokens=48, stop_token_ids=[202, 286]),
-            dict(allowed_token_ids=list(range(150, 420)), ignore_eos=True),
+            dict(min_tokens=48, stop_token_ids=[202, 286], logprobs=3),
+            dict(allowed_token_ids=list(range(150, 420)), ignore_eos=True, logprobs=1),
             dict(logit_bias={202: -50.0, 286: 3.0}, ignore_eos=True)]
 
 
-def jobs(max_tokens: int, short: bool = False):
+def jobs(max_tokens: int, short: bool = False, names: list[str] | None = None):
     """(name, prompts, per-prompt sampling kwargs) in run order. ``greedy``: every prompt at
     T = 0 (twice, the second time in reverse order); ``mixed``: even prompts greedy, odd ones
     seeded at T = 0.8, all in one batch; ``features`` (short runs): every prompt at T = 0 with
-    one of ``FEATURES`` (penalties, bad words, min_tokens, allowed ids, logit_bias);
-    ``structured`` (short runs): four prompts at T = 0 under a regular expression; ``alone``
-    and ``pairs``: the seeded prompts again, each alone, then in other company (the same seeds
-    must give the same text). ``short``: without the reversed greedy pass and the runs alone
-    (a second policy on the same layout)."""
+    one of ``FEATURES`` (penalties, bad words, min_tokens, allowed ids, logit_bias, with
+    logprobs on three of them); ``structured`` (short runs): four prompts at T = 0 under a
+    regular expression; ``alone`` and ``pairs``: the seeded prompts again, each alone, then in
+    other company (the same seeds must give the same text); ``staggered`` (only where named):
+    every prompt at T = 0, one request added every third engine step, so requests join running
+    ones. ``short``: without the reversed greedy pass and the runs alone (a second policy on
+    the same layout), with the features and structured jobs. ``names``: only these jobs
+    (``alone`` for the runs alone), in the order above."""
     common = dict(max_tokens=max_tokens, ignore_eos=True)
 
     def greedy(i):
@@ -59,18 +67,20 @@ def jobs(max_tokens: int, short: bool = False):
         return dict(max_tokens=48, temperature=0.0,
                     structured_outputs=StructuredOutputsParams(regex=STRUCTURED_REGEX))
 
+    if names is None:
+        names = (["greedy", "features", "structured", "mixed", "pairs"] if short else
+                 ["greedy", "greedy_reversed", "mixed", "alone", "pairs"])
     everyone = list(range(len(PROMPTS)))
     odd = everyone[1::2]
-    yield "greedy", everyone, greedy
-    if short:
-        yield "features", everyone, features
-        yield "structured", everyone[:4], structured
-    if not short:
-        yield "greedy_reversed", everyone[::-1], greedy
-    yield "mixed", everyone, mixed
-    for i in [] if short else odd:
-        yield f"alone_{i}", [i], seeded
-    yield "pairs", [odd[1], 0, odd[0], 2, odd[3], odd[2]], mixed
+    listed = [("greedy", everyone, greedy), ("features", everyone, features),
+              ("structured", everyone[:4], structured),
+              ("greedy_reversed", everyone[::-1], greedy), ("mixed", everyone, mixed),
+              *((f"alone_{i}", [i], seeded) for i in odd),
+              ("pairs", [odd[1], 0, odd[0], 2, odd[3], odd[2]], mixed),
+              ("staggered", everyone, greedy)]
+    for job in listed:
+        if job[0] in names or (job[0].startswith("alone_") and "alone" in names):
+            yield job
 
 
 def cache_sizes(num_blocks: int) -> dict:
@@ -81,7 +91,14 @@ def cache_sizes(num_blocks: int) -> dict:
     return dict(num_gpu_blocks_override=num_blocks, block_size=32, max_model_len=256)
 
 
+def _tree_step(worker):
+    """The V2 runner's tree state (vllm_ddtree/plugin/v2), or None."""
+    return getattr(getattr(worker.model_runner, "model_state", None), "ddtree", None)
+
+
 def _unmatched_rows(worker) -> int:
+    if _tree_step(worker) is not None:
+        return 0  # V2 verifies each request slot's own tree: nothing to match
     state = getattr(worker.model_runner, "ddtree_state", None)
     return -1 if state is None else state.num_unmatched_rows
 
@@ -89,7 +106,9 @@ def _unmatched_rows(worker) -> int:
 def _drafter_embedding_sum(worker) -> float | None:
     """The sum of the drafter's input embedding rows of the vocabulary (float64), where the
     rank has a drafter model: on the last pipeline stage it must be the target's."""
-    model = getattr(getattr(worker.model_runner, "drafter", None), "model", None)
+    runner = worker.model_runner
+    model = getattr(getattr(runner, "drafter", getattr(runner, "speculator", None)), "model",
+                    None)
     if model is None:
         return None
     vocab = worker.model_runner.model_config.get_vocab_size()
@@ -100,31 +119,68 @@ def _moved_slots(worker) -> int:
     """K/V positions this rank moved after verify steps: by its own walk (the last pipeline
     stage, or every rank without pipeline parallelism) or by the accepted paths the scheduler
     relayed (a stage before the last, stages.py)."""
+    step = _tree_step(worker)
+    if step is not None:
+        return step.num_compacted_slots
     state = getattr(worker.model_runner, "ddtree_state", None)
     if state is None:
         return -1
     return state.stage.moved_slots if state.stage is not None else state.num_compacted_slots
 
 
-def run_jobs(llm, max_tokens: int, short: bool = False, log=lambda line: None) -> dict:
-    """Every job of :func:`jobs` on ``llm``: the output token ids per job, and (ddtree) per
-    rank the rows verified as chains because their drafts were not a proposal."""
+def run_jobs(llm, max_tokens: int, short: bool = False, log=lambda line: None,
+             names: list[str] | None = None) -> dict:
+    """The jobs of :func:`jobs` on ``llm``: the output token ids per job, the logprobs of the
+    requests that ask for them (rounded to 1e-4), and (ddtree) per rank the rows verified as
+    chains because their drafts were not a proposal."""
     from vllm import SamplingParams
 
-    result: dict = {"outputs": {}}
-    for name, indices, params in jobs(max_tokens, short):
-        outs = llm.generate([PROMPTS[i] for i in indices],
-                            [SamplingParams(**params(i)) for i in indices], use_tqdm=False)
+    result: dict = {"outputs": {}, "logprobs": {}}
+    for name, indices, params in jobs(max_tokens, short, names):
+        prompts = [PROMPTS[i] for i in indices]
+        sampling = [SamplingParams(**params(i)) for i in indices]
+        if name == "staggered":
+            outs = _staggered(llm, prompts, sampling)
+        else:
+            outs = llm.generate(prompts, sampling, use_tqdm=False)
         result["outputs"][name] = {str(i): list(o.outputs[0].token_ids)
                                    for i, o in zip(indices, outs)}
+        result["logprobs"][name] = {
+            str(i): [{str(t): round(lp.logprob, 4) for t, lp in row.items()}
+                     for row in o.outputs[0].logprobs]
+            for i, o in zip(indices, outs) if o.outputs[0].logprobs}
         log(f"job {name} done")
     if llm.llm_engine.vllm_config.speculative_config is not None:
         result["unmatched_rows_per_rank"] = llm.collective_rpc(_unmatched_rows)
         result["moved_slots_per_rank"] = llm.collective_rpc(_moved_slots)
         result["drafter_embedding_sum_per_rank"] = llm.collective_rpc(_drafter_embedding_sum)
-    result["preemptions"] = sum(m.value for m in llm.get_metrics()
-                                if m.name == "vllm:num_preemptions")
+    metrics = llm.get_metrics()
+    result["preemptions"] = sum(m.value for m in metrics if m.name == "vllm:num_preemptions")
+    drafts = sum(m.value for m in metrics if m.name == "vllm:spec_decode_num_drafts")
+    accepted = sum(m.value for m in metrics
+                   if m.name == "vllm:spec_decode_num_accepted_tokens")
+    result["mean_acceptance_length"] = 1 + accepted / drafts if drafts else 1.0
+    config = llm.llm_engine.vllm_config
+    result["model_runner"] = "v2" if config.use_v2_model_runner else "v1"
+    result["async_scheduling"] = bool(config.scheduler_config.async_scheduling)
     return result
+
+
+def _staggered(llm, prompts: list[str], sampling: list) -> list:
+    """The requests added one every third engine step (the first at once), run to the end."""
+    engine = llm.llm_engine
+    pending = list(enumerate(zip(prompts, sampling)))
+    done, steps = {}, 0
+    while pending or engine.has_unfinished_requests():
+        if pending and steps % 3 == 0:
+            i, (prompt, params) = pending.pop(0)
+            engine.add_request(f"staggered_{i}", prompt, params)
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id.split("_")[1])] = out
+        steps += 1
+        assert steps < 5000, "the staggered job does not finish"
+    return [done[i] for i in range(len(prompts))]
 
 
 def main() -> None:
@@ -137,6 +193,12 @@ def main() -> None:
     parser.add_argument("--spec", default=None, help="speculative config as JSON (none: plain)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--short", action="store_true", help="the short job list (jobs())")
+    parser.add_argument("--v2", action="store_true",
+                        help="Model Runner V2 (tests/v2_harness.py, imported at the top)")
+    parser.add_argument("--jobs", default=None, help="comma-separated job names (jobs())")
+    parser.add_argument("--max-batched-tokens", type=int, default=0,
+                        help="max_num_batched_tokens (0: vLLM's default); small: chunked prefill")
+    parser.add_argument("--model", default=None, help="the target (default: the tiny pair's)")
     args = parser.parse_args()
     # one core per rank, a bounded K/V space (vLLM's CPU backend), collective_rpc with a function
     # one core per rank, round robin where there are more ranks than cores
@@ -148,11 +210,18 @@ def main() -> None:
     from vllm_utils import close, make_llm
 
     spec = json.loads(args.spec) if args.spec else None
+    extra = dict(cache_sizes(args.num_blocks))
+    if args.max_batched_tokens:
+        extra["max_num_batched_tokens"] = args.max_batched_tokens
+    if args.model:
+        extra["model"] = args.model
     llm = make_llm(spec, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
-                   max_num_seqs=8, **cache_sizes(args.num_blocks))
+                   max_num_seqs=8, **extra)
     print("engine ready", flush=True)
+    names = args.jobs.split(",") if args.jobs else None
     try:
-        result = run_jobs(llm, args.max_tokens, args.short, lambda line: print(line, flush=True))
+        result = run_jobs(llm, args.max_tokens, args.short, lambda line: print(line, flush=True),
+                          names)
     finally:
         close(llm)
     with open(args.out, "w") as f:

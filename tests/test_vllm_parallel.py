@@ -47,11 +47,13 @@ def ddtree(**extra) -> dict:
 
 
 def run_engine(tmp_path, tp: int, spec: dict | None, short: bool = False,
-               max_tokens: int = MAX_TOKENS, pp: int = 1, num_blocks: int = 0, **env) -> dict:
-    """tests/parallel_run.py in its own process group, under the watchdog; its JSON result."""
+               max_tokens: int = MAX_TOKENS, pp: int = 1, num_blocks: int = 0,
+               extra_args: tuple[str, ...] = (), **env) -> dict:
+    """tests/parallel_run.py in its own process group, under the watchdog; its JSON result.
+    ``extra_args``: more of its arguments (``--v2``, ``--jobs``, ...)."""
     out = tmp_path / f"tp{tp}_pp{pp}_{os.urandom(4).hex()}.json"
     cmd = [sys.executable, RUN, "--out", str(out), "--tp", str(tp), "--pp", str(pp),
-           "--max-tokens", str(max_tokens)]
+           "--max-tokens", str(max_tokens), *extra_args]
     if short:
         cmd.append("--short")
     if num_blocks:

