@@ -196,8 +196,15 @@ def test_every_patched_symbol_is_a_requirement():
                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
                and t.value.id != "cls"}
     patched |= {"Worker.compile_or_warm_up_model", "CPUWorker.compile_or_warm_up_model"}
+    # Model Runner V2: module-level functions replaced in their modules
+    install_v2 = next(n for n in tree.body
+                      if isinstance(n, ast.FunctionDef) and n.name == "_install_v2")
+    patched_v2 = {t.attr for n in ast.walk(install_v2) if isinstance(n, ast.Assign)
+                  for t in n.targets if isinstance(t, ast.Attribute)}
     listed = {r.qualname for r in versions.REQUIREMENTS}
     assert patched and patched <= listed, sorted(patched - listed)
+    assert patched_v2 == {"init_speculator", "resolve_model_state_cls"}
+    assert patched_v2 <= listed, sorted(patched_v2 - listed)
 
 
 def test_cuda_extra_resolves_to_a_supported_vllm():

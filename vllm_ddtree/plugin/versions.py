@@ -78,6 +78,20 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     Requirement("vllm.engine.arg_utils", "EngineArgs.create_speculative_config",
                 ("target_model_config", "target_parallel_config")),
     Requirement("vllm.config.vllm", "VllmConfig._get_v2_model_runner_unsupported_features"),
+    Requirement("vllm.config.vllm", "VllmConfig._validate_v1_model_runner"),
+    Requirement("vllm.config.vllm", "VllmConfig._validate_v2_model_runner"),
+    Requirement("vllm.config.vllm", "VllmConfig.__post_init__",
+                contains=("if self.use_v2_model_runner: "
+                          "self._disable_cudagraphs_for_v2_stock_torch_compile() "
+                          "self._validate_v2_model_runner() else: "
+                          "self._validate_v1_model_runner()",),
+                why="the runner an engine uses is checked against the one its ddtree "
+                    "configuration was made for"),
+    Requirement("vllm.config.vllm", "VllmConfig.use_v2_model_runner",
+                contains=("use_v2_model_runner = envs.VLLM_USE_V2_MODEL_RUNNER",
+                          "if not HAS_TRITON",
+                          "unsupported = self._get_v2_model_runner_unsupported_features()"),
+                why="options.choose_runner predicts it with the same rule"),
     Requirement("vllm.config.vllm", "VllmConfig.num_lookahead_tokens"),
     Requirement("vllm.config.speculative", "SpeculativeConfig.max_num_new_slots_for_drafting",
                 versions=((0, 32),), why="patched to L for ddtree (dflash charges B)"),
@@ -317,6 +331,134 @@ REQUIREMENTS: tuple[Requirement, ...] = (
                 ("param", "loaded_weight")),
     Requirement("vllm.v1.worker.block_table", "BlockTable.__init__",
                 contains=("self.block_size = block_size",)),
+)
+
+
+# Model Runner V2 (vllm_ddtree/plugin/v2)
+_V2 = "vllm.v1.worker.gpu"
+_V2_RUNNER = f"{_V2}.model_runner"
+_V2_DFLASH = f"{_V2}.spec_decode.dflash.speculator"
+_V2_MODEL_STATE = f"{_V2}.model_states.interface"
+
+REQUIREMENTS += (
+    # patches._install_v2: the two functions V2 builds a speculator and a model state with
+    Requirement(f"{_V2}.spec_decode", "init_speculator", ("vllm_config", "device", "req_states"),
+                why="patched: ddtree engines get DDTreeSpeculator"),
+    Requirement(_V2_RUNNER, "GPUModelRunner.__init__", ("vllm_config", "device"),
+                contains=("self.speculator = init_speculator( self.vllm_config, self.device, "
+                          "self.req_states )",),
+                why="the runner's own name of init_speculator, patched too"),
+    Requirement(f"{_V2}.model_states", "resolve_model_state_cls", ("vllm_config", "model"),
+                why="patched: the target's model state gets the tree mixin in front"),
+    Requirement(f"{_V2}.model_states", "init_model_state",
+                contains=("cls = resolve_model_state_cls(vllm_config, model)",)),
+    # the model state's hooks (model_state.py) and where the runner calls them
+    Requirement(_V2_MODEL_STATE, "ModelState.add_request", ("req_index", "new_req_data")),
+    Requirement(_V2_MODEL_STATE, "ModelState.initialize_kv_cache",
+                ("kv_cache_config", "block_tables")),
+    Requirement(_V2_MODEL_STATE, "ModelState.preprocess_state",
+                ("input_batch", "block_tables", "kv_cache_config", "num_computed_tokens")),
+    Requirement(_V2_MODEL_STATE, "ModelState.prepare_attn",
+                ("input_batch", "cudagraph_mode", "block_tables", "slot_mappings",
+                 "attn_groups", "kv_cache_config", "for_capture")),
+    Requirement(_V2_MODEL_STATE, "ModelState.prepare_inputs", ("input_batch", "req_states")),
+    Requirement(_V2_MODEL_STATE, "ModelState.prepare_dummy_inputs", ("num_reqs", "num_tokens")),
+    Requirement(_V2_MODEL_STATE, "ModelState.custom_sampler", ("sampler",)),
+    Requirement(_V2_RUNNER, "GPUModelRunner.execute_model",
+                contains=("self.model_state.preprocess_state( input_batch, block_tables, "
+                          "self.kv_cache_config, self.req_states.num_computed_tokens.gpu, )",
+                          "attn_metadata = self.model_state.prepare_attn( input_batch,",
+                          "**self.model_state.prepare_inputs(input_batch, self.req_states),"),
+                why="the verify trees are built before the attention metadata, the depth "
+                    "positions override the runner's"),
+    Requirement(_V2_RUNNER, "GPUModelRunner.load_model",
+                contains=("custom = self.model_state.custom_sampler(self.sampler)",
+                          "self.sampler, self.rejection_sampler = custom")),
+    Requirement(_V2_RUNNER, "GPUModelRunner.initialize_kv_cache",
+                contains=("self.speculator.set_attn( self.model_state,",
+                          "self.model_state.initialize_kv_cache(self.kv_cache_config, "
+                          "self.block_tables)"),
+                why="the speculator meets the model state's TreeStep in set_attn"),
+    Requirement(_V2_RUNNER, "GPUModelRunner.sample",
+                contains=("sampler_output = self.rejection_sampler( logits, input_batch,",
+                          "self.speculator.draft_logits, invalid_drafts, )"),
+                why="the verifier's call; steps without drafts use vLLM's sampler"),
+    Requirement(f"{_V2}.input_batch", "InputBatch",
+                contains=("num_draft_tokens_per_req: np.ndarray | None",
+                          "cu_num_logits: torch.Tensor", "logits_indices: torch.Tensor",
+                          "query_start_loc_np: np.ndarray", "num_tokens_after_padding: int",
+                          "seq_lens_cpu_upper_bound: torch.Tensor")),
+    Requirement(f"{_V2}.input_batch", "get_num_sampled_and_rejected",
+                ("num_sampled", "seq_lens", "cu_num_logits", "idx_mapping", "prefill_len")),
+    Requirement(f"{_V2}.block_table", "BlockTables.__init__",
+                contains=("self.slot_mappings = torch.zeros(",),
+                why="each row's K/V slot per group (compaction), persistent"),
+    # the speculator (a DFlashSpeculator subclass)
+    Requirement(_V2_DFLASH, "DFlashSpeculator.__init__", ("vllm_config", "device"),
+                contains=("self.num_query_per_req = 1 + self.num_speculative_steps",)),
+    Requirement(f"{_V2}.spec_decode.speculator", "DraftModelSpeculator.__init__",
+                contains=("self.num_speculative_steps = "
+                          "self.speculative_config.num_speculative_tokens",),
+                why="built with num_speculative_tokens = L: the drafter's query block"),
+    Requirement(f"{_V2}.spec_decode.speculator", "DraftModelSpeculator.load_model",
+                contains=("self.draft_attn_layer_names = set(all_attn_layers) - "
+                          "target_attn_layer_names",)),
+    Requirement(_V2_DFLASH, "DFlashSpeculator.set_attn",
+                ("model_state", "kv_cache_config", "block_tables")),
+    Requirement(_V2_DFLASH, "DFlashSpeculator._run_model",
+                ("num_tokens", "attn_metadata", "slot_mappings", "num_tokens_across_dp",
+                 "cudagraph_runtime_mode")),
+    Requirement(_V2_DFLASH, "DFlashSpeculator._generate_draft",
+                ("num_reqs", "num_tokens_padded", "attn_metadata", "slot_mappings",
+                 "num_tokens_across_dp", "cudagraph_runtime_mode"),
+                contains=("sample_hidden_states = last_hidden_states[self.sample_indices"
+                          "[:num_sample]]",
+                          "self.sample_idx_mapping[:num_sample],"),
+                why="overridden: the sample rows' logits build the tree"),
+    Requirement(_V2_DFLASH, "DFlashSpeculator._num_graph_context_tokens", ("num_reqs",)),
+    Requirement(_V2_DFLASH, "DFlashSpeculator.propose",
+                ("input_batch", "attn_metadata", "slot_mappings", "last_hidden_states",
+                 "aux_hidden_states", "num_rejected"),
+                contains=("hidden_states = self.model.combine_hidden_states( "
+                          "torch.cat(aux_hidden_states, dim=-1) )",
+                          "self.hidden_states[:num_target_tokens].copy_(hidden_states"
+                          "[:num_target_tokens])"),
+                versions=((0, 32),),
+                why="DFlash reads the first num_target_tokens rows of each auxiliary hidden "
+                    "state, which DDTreeSpeculator.propose hands it gathered"),
+    Requirement(_V2_DFLASH, "DFlashSpeculator.propose",
+                ("input_batch", "attn_metadata", "slot_mappings", "last_hidden_states",
+                 "aux_hidden_states", "num_rejected"),
+                contains=("if num_speculative_tokens == 0:",),
+                versions=((0, 33),),
+                why="as 0.32 (_store_hidden_states); a step whose batch verifies no draft next "
+                    "stores the context only"),
+    Requirement(_V2_DFLASH, "DFlashSpeculator._store_hidden_states",
+                contains=("[h[:start] for h in aux_hidden_states]",
+                          "torch.cat([h[start:num_tokens] for h in aux_hidden_states], dim=-1)"),
+                versions=((0, 33),), why="0.33 reads the auxiliary hidden states here"),
+    # the verifier
+    Requirement(f"{_V2}.sample.sampler", "Sampler.sample",
+                ("logits", "expanded_idx_mapping", "idx_mapping", "idx_mapping_np", "pos",
+                 "input_ids", "expanded_local_pos", "seq_lens_upper_bound_np",
+                 "return_logprobs")),
+    Requirement(f"{_V2}.sample.sampler", "Sampler.get_logprobs_dims", ("idx_mapping_np",)),
+    Requirement(f"{_V2}.sample.sampler", "Sampler.__init__",
+                contains=("self.needs_logits_processing = np.zeros(max_num_reqs, dtype=bool)",
+                          "self.logprob_token_ids_state = LogprobTokenIdsState(",
+                          "self.logits_processors: list[LogitsProcessor] = [ logit_bias_state, "
+                          "self.penalties_state, bad_words_state, *custom_logits_processors, ]")),
+    Requirement(f"{_V2}.sample.states", "SamplingStates.__init__",
+                contains=("self.temperature = UvaBackedTensor(max_num_reqs, "
+                          "dtype=torch.float32)",)),
+    Requirement(f"{_V2}.sample.logprob", "compute_topk_scores",
+                ("logits", "num_logprobs", "sampled_token_ids", "cu_num_logits",
+                 "logprob_token_ids_state", "expanded_idx_mapping", "max_per_req_token_ids",
+                 "logits_mode")),
+    Requirement(f"{_V2}.metrics.logits", "get_num_nans"),
+    Requirement(f"{_V2}.sample.output", "SamplerOutput",
+                contains=("sampled_token_ids: torch.Tensor", "num_sampled: torch.Tensor",
+                          "num_rejected: torch.Tensor")),
 )
 
 

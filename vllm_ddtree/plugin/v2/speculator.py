@@ -13,10 +13,10 @@ The drafter's context: DFlash keeps the K/V of the committed text in its own cac
 each step from the target's auxiliary hidden states of the step's rows, taking a request's
 accepted rows as a prefix of its span (``num_rejected`` rows at the end are dropped). After a
 tree verify step the accepted rows are scattered over the tree's rows: before DFlash reads
-them, :meth:`DDTreeSpeculator.prepare_context_anchor` gathers the path's rows to the front
-(the verifier's gather index, ``state.accepted_moves``). Their sequential positions are the
-chain positions the accepted tokens now hold, so the context is the committed text's and the
-drafter layers need no compaction.
+them, :meth:`DDTreeSpeculator.propose` gathers the path's rows to the front (the verifier's
+gather index, ``state.accepted_moves``). Their sequential positions are the chain positions
+the accepted tokens now hold, so the context is the committed text's and the drafter layers
+need no compaction.
 """
 
 from __future__ import annotations
@@ -58,24 +58,22 @@ class DDTreeSpeculator(DFlashSpeculator):
         # context rows a captured draft step stores: one tree verify (B + 1 rows) per request
         return min(num_reqs * (self.options.budget + 1), self.max_num_tokens)
 
-    def prepare_context_anchor(self, *args, **kwargs) -> None:
-        """Called by DFlash's ``propose`` once the step's hidden states are in
-        ``self.hidden_states`` and before it lays out the drafter's context: the accepted
-        path's rows move to the front of each request's span (the module doc)."""
-        super().prepare_context_anchor(*args, **kwargs)
-        if self.step is None:  # memory profiling, before the K/V caches exist
-            return
-        num_tokens = self._num_target_tokens
-        gather = self.step.take_gather_index(num_tokens)
-        if gather is not None:
-            self.hidden_states[:num_tokens] = self.hidden_states[:num_tokens].index_select(
-                0, gather)
-
-    def propose(self, input_batch, *args, **kwargs) -> torch.Tensor:
+    def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
+                aux_hidden_states, *args, **kwargs) -> torch.Tensor:
         """The step's trees: ``[R, B]`` node tokens (0 for padding nodes), stored in their
-        requests' slots with their structure."""
-        self._num_target_tokens = input_batch.num_tokens
-        super().propose(input_batch, *args, **kwargs)
+        requests' slots with their structure. DFlash's context is built from the target's
+        auxiliary hidden states with the accepted path's rows gathered to the front of each
+        request's span first (the module doc). A step in which vLLM asks for no drafts
+        (0.33's ``num_speculative_tokens=0``: no request of the batch verifies drafts next)
+        stores the context only; the slots' trees are then never verified."""
+        num_tokens = input_batch.num_tokens
+        gather = None if self.step is None else self.step.take_gather_index(num_tokens)
+        if gather is not None and aux_hidden_states:
+            # (DFlash reads each tensor's first num_tokens rows)
+            aux_hidden_states = [h[:num_tokens].index_select(0, gather)
+                                 for h in aux_hidden_states]
+        super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
+                        aux_hidden_states, *args, **kwargs)
         return self.tree_tokens[: input_batch.num_reqs]
 
     def _generate_draft(self, num_reqs: int, num_tokens_padded: int, attn_metadata,
