@@ -197,8 +197,9 @@ def test_runner_choice(mode, policy, pp, env, triton, runner):
     assert choose_runner(mode, policy, pp, env, triton) == runner
     _, options = split_speculative_config(spec, pp, env, triton)
     assert options.runner == runner
-    if mode == "tree" and pp == 1:
-        assert options.budget_policy == ("static" if runner == "v2" else "auto")
+    if mode == "tree" and pp == 1:  # the given policy, or the runner's default
+        default = "static" if runner == "v2" else "auto"
+        assert options.budget_policy == (default if policy is None else policy)
 
 
 @pytest.mark.parametrize("spec, pp, words", [
