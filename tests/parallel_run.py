@@ -15,6 +15,7 @@ tell a hang (no line for a while) from a slow machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -83,6 +84,13 @@ def jobs(max_tokens: int, short: bool = False, names: list[str] | None = None):
             yield job
 
 
+# the V2 tree step's code, from the verify trees to the drafter's next trees (--check-host-sync)
+V2_STEP_FILES = tuple(f"vllm_ddtree/{name}" for name in (
+    "plugin/v2/trees.py", "plugin/v2/model_state.py", "plugin/v2/verifier.py",
+    "plugin/v2/speculator.py", "plugin/state.py", "plugin/compaction.py", "tree.py", "walk.py",
+    "sampling.py"))
+
+
 def cache_sizes(num_blocks: int) -> dict:
     """Engine arguments for a K/V cache of ``num_blocks`` blocks of 32 tokens (0: the test
     default); a few blocks make requests preempt and resume."""
@@ -129,27 +137,17 @@ def _moved_slots(worker) -> int:
 
 
 def run_jobs(llm, max_tokens: int, short: bool = False, log=lambda line: None,
-             names: list[str] | None = None) -> dict:
+             names: list[str] | None = None, guard=None) -> dict:
     """The jobs of :func:`jobs` on ``llm``: the output token ids per job, the logprobs of the
     requests that ask for them (rounded to 1e-4), and (ddtree) per rank the rows verified as
-    chains because their drafts were not a proposal."""
+    chains because their drafts were not a proposal. ``guard``: a context manager the jobs
+    run in (not the statistics read after them)."""
     from vllm import SamplingParams
 
     result: dict = {"outputs": {}, "logprobs": {}}
-    for name, indices, params in jobs(max_tokens, short, names):
-        prompts = [PROMPTS[i] for i in indices]
-        sampling = [SamplingParams(**params(i)) for i in indices]
-        if name == "staggered":
-            outs = _staggered(llm, prompts, sampling)
-        else:
-            outs = llm.generate(prompts, sampling, use_tqdm=False)
-        result["outputs"][name] = {str(i): list(o.outputs[0].token_ids)
-                                   for i, o in zip(indices, outs)}
-        result["logprobs"][name] = {
-            str(i): [{str(t): round(lp.logprob, 4) for t, lp in row.items()}
-                     for row in o.outputs[0].logprobs]
-            for i, o in zip(indices, outs) if o.outputs[0].logprobs}
-        log(f"job {name} done")
+    with guard or contextlib.nullcontext():
+        _run(llm, jobs(max_tokens, short, names), result, log)
+
     if llm.llm_engine.vllm_config.speculative_config is not None:
         result["unmatched_rows_per_rank"] = llm.collective_rpc(_unmatched_rows)
         result["moved_slots_per_rank"] = llm.collective_rpc(_moved_slots)
@@ -164,6 +162,25 @@ def run_jobs(llm, max_tokens: int, short: bool = False, log=lambda line: None,
     result["model_runner"] = "v2" if config.use_v2_model_runner else "v1"
     result["async_scheduling"] = bool(config.scheduler_config.async_scheduling)
     return result
+
+
+def _run(llm, job_list, result: dict, log) -> None:
+    from vllm import SamplingParams
+
+    for name, indices, params in job_list:
+        prompts = [PROMPTS[i] for i in indices]
+        sampling = [SamplingParams(**params(i)) for i in indices]
+        if name == "staggered":
+            outs = _staggered(llm, prompts, sampling)
+        else:
+            outs = llm.generate(prompts, sampling, use_tqdm=False)
+        result["outputs"][name] = {str(i): list(o.outputs[0].token_ids)
+                                   for i, o in zip(indices, outs)}
+        result["logprobs"][name] = {
+            str(i): [{str(t): round(lp.logprob, 4) for t, lp in row.items()}
+                     for row in o.outputs[0].logprobs]
+            for i, o in zip(indices, outs) if o.outputs[0].logprobs}
+        log(f"job {name} done")
 
 
 def _staggered(llm, prompts: list[str], sampling: list) -> list:
@@ -199,6 +216,9 @@ def main() -> None:
     parser.add_argument("--max-batched-tokens", type=int, default=0,
                         help="max_num_batched_tokens (0: vLLM's default); small: chunked prefill")
     parser.add_argument("--model", default=None, help="the target (default: the tiny pair's)")
+    parser.add_argument("--check-host-sync", action="store_true",
+                        help="run the jobs under tests/sync_checker.py's NoHostSync, judging "
+                             "the V2 tree step's code (V2_STEP_FILES); one process, one thread")
     args = parser.parse_args()
     # one core per rank, a bounded K/V space (vLLM's CPU backend), collective_rpc with a function
     # one core per rank, round robin where there are more ranks than cores
@@ -219,9 +239,32 @@ def main() -> None:
                    max_num_seqs=8, **extra)
     print("engine ready", flush=True)
     names = args.jobs.split(",") if args.jobs else None
+    checker = None
     try:
+        guard = None
+        if args.check_host_sync:
+            from sync_checker import NoHostSync, no_host_sync
+
+            checker = NoHostSync(
+                scope=V2_STEP_FILES,
+                allowed_reads={("plugin/v2/verifier.py", "_host_seq_lens"):
+                               "seq_lens_cpu_upper_bound: a host tensor vLLM made"},
+                allowed_uploads=(("vllm_ddtree/plugin/state.py", "to_device"),))
+            guard = no_host_sync(checker)
+            # the engine steps its runner in another thread: the dispatch mode (thread-local)
+            # must be entered there too
+            runner = (llm.llm_engine.engine_core.engine_core.model_executor.driver_worker
+                      .worker.model_runner)
+            for method in ("execute_model", "sample_tokens"):
+                def checked(*a, _method=getattr(runner, method), **k):
+                    with checker:
+                        return _method(*a, **k)
+
+                setattr(runner, method, checked)
         result = run_jobs(llm, args.max_tokens, args.short, lambda line: print(line, flush=True),
-                          names)
+                          names, guard)
+        if checker is not None:
+            result["host_sync_checked_ops"] = checker.num_checked
     finally:
         close(llm)
     with open(args.out, "w") as f:

@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 SYNCING_OPS = {
     "aten::_local_scalar_dense",  # .item(), float(t), int(t), bool(t)
+    "aten::item",  # the same under torch.inference_mode (vLLM's steps), not decomposed
     "aten::nonzero",
     "aten::nonzero_static",
     "aten::masked_select",
@@ -99,7 +100,7 @@ class NoHostSync(TorchDispatchMode):
         schema = func._schema.name
         name = schema + (f".{func._overloadname}" if func._overloadname != "default" else "")
         if schema in SYNCING_OPS or name in SYNCING_OPS:
-            if not (schema == "aten::_local_scalar_dense"
+            if not (schema in ("aten::_local_scalar_dense", "aten::item")
                     and self._allowed(where, self.allowed_reads)):
                 self._fail(f"host synchronisation through {name}", where)
         if schema in ("aten::index", "aten::index_put", "aten::index_put_"):

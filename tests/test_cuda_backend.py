@@ -17,14 +17,14 @@ from triton_utils import LaunchRecorder, interpreter_on_cpu
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
 
-from vllm_ddtree.kernels import compact_kv_ref, tree_attention_ref
+from vllm_ddtree.kernels import compact_kv_ref, tree_attention, tree_attention_ref
 from vllm_ddtree.plugin import patches
 from vllm_ddtree.plugin.compaction import KVCompactor, kv_views
 from vllm_ddtree.plugin.cuda_attention import (
     DDTreeTritonImpl,
     DDTreeTritonMetadata,
     DDTreeTritonMetadataBuilder,
-    tree_mask_info,
+    TreeMasks,
     warm_up_tree_attention,
 )
 from vllm_ddtree.plugin.options import DDTreeConfigError, DDTreeOptions
@@ -63,16 +63,32 @@ def verify_batch(state: TreeState, gen: torch.Generator, num_draft: list[int],
     return state.begin_verify(req_ids, num_draft, drafts, starts, sum(q_lens))
 
 
-def test_tree_mask_info_marks_tree_requests_only():
+def tree_mask_info(verify, num_reqs: int | None = None):
+    """The kernel inputs of ``verify`` in fresh TreeMasks buffers (budget 12, 8 requests)."""
+    num_reqs = len(verify.num_draft) if num_reqs is None else num_reqs
+    return TreeMasks(8, 12, torch.device("cpu")).fill(verify, num_reqs)
+
+
+def test_tree_masks_mark_tree_requests_only_in_fixed_buffers():
+    """TreeMasks: each step's masks go into the same buffers (a CUDA graph reads them at
+    replay), in the top-left corner; requests without drafts and padding are causal."""
     gen = torch.Generator().manual_seed(0)
     state = TreeState(DDTreeOptions(budget=9, depth=4), torch.device("cpu"))
+    masks = TreeMasks(5, 9, torch.device("cpu"))
     verify = verify_batch(state, gen, num_draft=[9, 0, 5], q_lens=[10, 7, 6])
-    info = tree_mask_info(verify, torch.device("cpu"))
-    assert info.has_tree.tolist() == [True, False, True]
-    assert torch.equal(info.tree_mask, verify.tree.ancestor_mask)
-    assert info.tree_mask.shape == (3, 10, 1) and info.tree_mask.dtype == torch.int32
-    assert tree_mask_info(verify_batch(state, gen, [0, 0], [5, 3]), torch.device("cpu")) is None
-    assert tree_mask_info(None, torch.device("cpu")) is None
+    info = masks.fill(verify, 4)  # one padding request, as a graph's padded batch has
+    assert info.has_tree.tolist() == [True, False, True, False]
+    assert torch.equal(info.tree_mask[:3], verify.tree.ancestor_mask)
+    assert info.tree_mask.shape == (4, 10, 1) and info.tree_mask.dtype == torch.int32
+    again = masks.fill(verify_batch(state, gen, num_draft=[4, 4], q_lens=[5, 5]), 2)
+    assert again.tree_mask.data_ptr() == info.tree_mask.data_ptr()
+    assert again.has_tree.data_ptr() == info.has_tree.data_ptr()
+    assert again.has_tree.tolist() == [True, True] and again.tree_mask.shape == (2, 10, 1)
+    assert masks.fill(verify_batch(state, gen, [0, 0], [5, 3]), 2) is None
+    assert masks.fill(None, 2) is None
+    captured = masks.capture(3)
+    assert captured.tree_mask.data_ptr() == info.tree_mask.data_ptr()
+    assert captured.has_tree.tolist() == [True, True, True]
 
 
 @pytest.mark.parametrize("physical_nhd", [False, True])
@@ -82,7 +98,7 @@ def test_verify_forward_matches_reference(physical_nhd):
     state = TreeState(DDTreeOptions(budget=12, depth=5), torch.device("cpu"))
     num_draft, q_lens, ctx = [12, 0, 7], [13, 20, 8], [37, 5, 70]
     verify = verify_batch(state, gen, num_draft, q_lens)
-    info = tree_mask_info(verify, torch.device("cpu"))
+    info = tree_mask_info(verify)
     kv_cache = cuda_layout_cache(gen, physical_nhd)
     key_cache, value_cache = kv_views(kv_cache, HEAD_DIM)
     seq_lens = torch.tensor([c + q for c, q in zip(ctx, q_lens)], dtype=torch.int32)
@@ -220,7 +236,7 @@ def test_kernels_compile_once_for_every_batch(monkeypatch):
             slot_mapping=torch.zeros(num_tokens, dtype=torch.int64), seq_threshold_3D=0,
             num_par_softmax_segments=0, softmax_segm_output=None, softmax_segm_max=None,
             softmax_segm_expsum=None, causal=True,
-            ddtree=tree_mask_info(verify, torch.device("cpu")),
+            ddtree=tree_mask_info(verify),
         )
         query = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=gen)
         impl.forward(None, query, None, None, caches[0], meta,
@@ -231,14 +247,83 @@ def test_kernels_compile_once_for_every_batch(monkeypatch):
             set(combine_launches.keys)) == warm
 
 
-def test_cudagraph_support_is_piecewise_for_ddtree_only():
-    ddtree = SimpleNamespace(additional_config={"ddtree": DDTreeOptions(8, 7).to_dict()})
+def test_cudagraph_support_by_runner():
+    """Full graphs of uniform tree batches on Model Runner V2; attention piecewise on V1."""
+    v2 = SimpleNamespace(additional_config={"ddtree": DDTreeOptions(8, 7, runner="v2").to_dict()})
+    v1 = SimpleNamespace(additional_config={"ddtree": DDTreeOptions(8, 7).to_dict()})
     stock = SimpleNamespace(additional_config={})
-    assert DDTreeTritonMetadataBuilder.get_cudagraph_support(ddtree, None) == (
+    assert DDTreeTritonMetadataBuilder.get_cudagraph_support(v2, None) == (
+        AttentionCGSupport.UNIFORM_BATCH)
+    assert DDTreeTritonMetadataBuilder.get_cudagraph_support(v1, None) == (
         AttentionCGSupport.NEVER)
     assert DDTreeTritonMetadataBuilder.get_cudagraph_support(stock, None) == (
         AttentionCGSupport.ALWAYS)
     assert issubclass(DDTreeTritonMetadata, TritonAttentionMetadata)
+
+
+def test_vllm_captures_uniform_tree_batches_in_full_graphs():
+    """vLLM's own resolution (V2) with the backend's support: full graphs for decode batches
+    of B + 1 rows per request, piecewise for mixed ones, capture sizes in multiples of B + 1."""
+    from vllm.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
+
+    budget = 8
+    config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
+                               cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+                               cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32, 64])
+    mode = config.resolve_cudagraph_mode_and_sizes(
+        AttentionCGSupport.UNIFORM_BATCH, "TRITON_ATTN", budget + 1, use_v2_model_runner=True,
+        max_num_reqs=8)
+    assert mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    assert mode.decode_mode() == CUDAGraphMode.FULL
+
+
+def test_a_padded_graph_batch_attends_as_the_exact_batch():
+    """A full graph replays the batch it captured: padded to its request count (query starts
+    padded with the token count, sequence lengths 0, no tree), its masks at the buffers' full
+    width, its context split for the longest sequence the engine allows. The real rows must
+    equal those of the exact batch."""
+    gen = torch.Generator().manual_seed(3)
+    budget, num_reqs, padded = 6, 3, 5
+    state = TreeState(DDTreeOptions(budget=budget, depth=4), torch.device("cpu"))
+    verify = verify_batch(state, gen, [budget] * num_reqs, [budget + 1] * num_reqs)
+    masks = TreeMasks(padded, budget, torch.device("cpu"))
+    kv_cache = cuda_layout_cache(gen, False)
+    ctx = [29, 3, 60]
+    num_tokens = num_reqs * (budget + 1)
+    seq_lens = torch.zeros(padded, dtype=torch.int32)
+    seq_lens[:num_reqs] = torch.tensor([c + budget + 1 for c in ctx])
+    blocks = (int(seq_lens.max()) + BLOCK_SIZE - 1) // BLOCK_SIZE
+    block_table = torch.zeros(padded, blocks, dtype=torch.int32)
+    block_table[:num_reqs] = torch.randperm(NUM_BLOCKS, generator=gen)[: num_reqs * blocks].view(
+        num_reqs, blocks).int()
+    qsl = torch.full((padded + 1,), num_tokens, dtype=torch.int32)
+    qsl[: num_reqs + 1] = torch.arange(num_reqs + 1, dtype=torch.int32) * (budget + 1)
+    query = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=gen)
+    impl = DDTreeTritonImpl(NUM_HEADS, HEAD_DIM, HEAD_DIM**-0.5, NUM_KV_HEADS, None, None, "auto")
+
+    def attend(reqs: int, info, max_seq_len: int, num_splits: int | None = None):
+        meta = DDTreeTritonMetadata(
+            num_actual_tokens=num_tokens, max_query_len=budget + 1,
+            query_start_loc=qsl[: reqs + 1], max_seq_len=max_seq_len, seq_lens=seq_lens[:reqs],
+            block_table=block_table[:reqs], slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
+            seq_threshold_3D=0, num_par_softmax_segments=0, softmax_segm_output=None,
+            softmax_segm_max=None, softmax_segm_expsum=None, causal=True, ddtree=info)
+        output = torch.full((num_tokens, NUM_HEADS * HEAD_DIM), float("nan"))
+        impl.forward(None, query, None, None, kv_cache, meta, output)
+        return output
+
+    exact = attend(num_reqs, masks.fill(verify, num_reqs), int(seq_lens.max()))
+    info = masks.fill(verify, padded)
+    replayed = attend(padded, info, 512)
+    torch.testing.assert_close(replayed, exact, atol=1e-5, rtol=1e-5)
+    assert not exact.isnan().any()
+    # on CUDA a long max_seq_len splits the context (flash-decoding); the CPU never splits, so
+    # the split launch is forced: empty splits of the short and padded requests merge to 0
+    key_cache, value_cache = kv_views(kv_cache, HEAD_DIM)
+    split = tree_attention(query, key_cache, value_cache, block_table, seq_lens, qsl,
+                           info.tree_mask, info.has_tree, HEAD_DIM**-0.5,
+                           max_query_len=budget + 1, num_splits=4)
+    torch.testing.assert_close(split.view(num_tokens, -1), exact, atol=1e-5, rtol=1e-5)
 
 
 @pytest.fixture

@@ -101,6 +101,20 @@ def test_tensor_parallel(tmp_path, plain_v2):
     check_v2(run_v2(tmp_path, ddtree(8), "greedy,features,mixed,pairs", tp=2), plain_v2)
 
 
+def test_the_tree_step_never_waits_for_the_device(tmp_path):
+    """The V2 tree step's code (tests/parallel_run.py V2_STEP_FILES: verify trees, depth
+    positions, sampling, walk, moves, compaction, the drafter's gather and trees) on its torch
+    path (what CUDA runs; VLLM_DDTREE_NATIVE=0 here) under tests/sync_checker.py's NoHostSync:
+    no scalar read, no data-dependent shape, no pageable upload, in any step of greedy,
+    and seeded jobs (synchronous scheduling: the checker's dispatch mode is entered in
+    the thread that steps the runner)."""
+    result = run_engine(tmp_path, 1, ddtree(8), max_tokens=24, VLLM_DDTREE_NATIVE="0",
+                        extra_args=("--v2", "--jobs", "greedy,mixed",
+                                    "--check-host-sync"))
+    assert result["host_sync_checked_ops"] > 10_000
+    assert min(result["moved_slots_per_rank"]) > 0
+
+
 def test_drafter_with_other_attention_shapes(tmp_path_factory):
     """The hand-made pair (tests/handmade_pair.py: a drafter with other heads, KV heads and
     head size than its target, in one KV-cache group): compaction moves the target's layers

@@ -12,9 +12,14 @@ launch of :func:`vllm_ddtree.kernels.tree_attention`, with each request's packed
 vLLM writes the step's K/V into the paged cache before ``forward`` (the backend's
 ``do_kv_cache_update``), so the kernel reads the span from the cache like the context.
 
-Full CUDA graphs would capture the causal kernel of a warm-up batch, so a ddtree engine reports
-:attr:`AttentionCGSupport.NEVER` and vLLM runs attention piecewise (eager) while the rest of the
-model stays in CUDA graphs. The stock backend is unchanged for every other engine.
+CUDA graphs: the tree kernel reads every per-step input from device buffers of fixed address
+(vLLM's query starts, sequence lengths and block tables, and :class:`TreeMasks`), with its grid
+fixed by the captured batch, so on Model Runner V2 a ddtree engine reports
+:attr:`AttentionCGSupport.UNIFORM_BATCH`: uniform decode batches (every request its B + 1 tree
+rows) run as full graphs, mixed batches piecewise. On the V1 runner (whose step writes its
+inputs elsewhere) it reports :attr:`AttentionCGSupport.NEVER`: attention runs piecewise (eager)
+while the rest of the model stays in CUDA graphs. The stock backend is unchanged for every
+other engine.
 
 CUDA K/V layout (one tensor per layer, logical ``[num_blocks, num_kv_heads, block_size,
 2 * head_dim]``, any physical stride order): ``kv.transpose(1, 2).split(head_dim, -1)`` gives
@@ -55,38 +60,85 @@ class DDTreeTritonMetadata(TritonAttentionMetadata):
     ddtree: TreeMaskInfo | None = None
 
 
-def tree_mask_info(verify, device: torch.device) -> TreeMaskInfo | None:
-    """The kernel inputs for a :class:`~vllm_ddtree.plugin.state.VerifyBatch` (None: no tree).
+class TreeMasks:
+    """The kernel's tree inputs in fixed-address buffers, sized for ``max_num_reqs`` requests
+    of ``budget + 1`` query rows: ``tree_mask [max_num_reqs, B + 1, W]`` int32 and
+    ``has_tree [max_num_reqs]`` bool. Every step copies its masks into them (:meth:`fill`), so
+    a CUDA graph captured on them (:meth:`capture`) reads each replay's trees. The kernel takes
+    the buffers' full width whatever the step's trees: row i of request r is read only for
+    ``i < q_len(r)``, which the step's masks cover."""
 
-    Requests without drafts (prefill chunks) get ``has_tree`` False: causal in the same launch.
-    """
-    if verify is None or not any(m > 0 for m in verify.num_draft):
-        return None
-    return TreeMaskInfo(
-        tree_mask=verify.tree.ancestor_mask.to(device=device, dtype=torch.int32),
-        has_tree=to_device([m > 0 for m in verify.num_draft], torch.bool, device),
-    )
+    def __init__(self, max_num_reqs: int, budget: int, device: torch.device):
+        words = (budget + 1 + 31) // 32
+        self.tree_mask = torch.zeros(max_num_reqs, budget + 1, words, dtype=torch.int32,
+                                     device=device)
+        self.has_tree = torch.zeros(max_num_reqs, dtype=torch.bool, device=device)
+
+    def fill(self, verify, num_reqs: int) -> TreeMaskInfo | None:
+        """The kernel inputs of a :class:`~vllm_ddtree.plugin.state.VerifyBatch` whose requests
+        are the first of the attention batch's ``num_reqs`` (more with CUDA-graph padding); None
+        when no request has drafts. Requests without drafts (prefill chunks) and padding get
+        ``has_tree`` False: causal in the same launch."""
+        if verify is None or not any(m > 0 for m in verify.num_draft):
+            return None
+        mask = verify.tree.ancestor_mask
+        num_trees, rows, words = mask.shape
+        self.tree_mask[:num_trees, :rows, :words].copy_(mask)
+        has_tree = self.has_tree[:num_reqs]
+        has_tree.zero_()
+        has_tree[:num_trees].copy_(to_device([m > 0 for m in verify.num_draft], torch.bool,
+                                             has_tree.device))
+        return TreeMaskInfo(self.tree_mask[:num_reqs], has_tree)
+
+    def capture(self, num_reqs: int) -> TreeMaskInfo:
+        """The kernel inputs a CUDA graph of ``num_reqs`` tree requests captures: the buffers
+        themselves (their content at capture does not matter)."""
+        self.has_tree[:num_reqs].fill_(True)
+        return TreeMaskInfo(self.tree_mask[:num_reqs], self.has_tree[:num_reqs])
 
 
 class DDTreeTritonMetadataBuilder(TritonAttentionMetadataBuilder):
     # Set by the runner patch on the builders of a ddtree runner; None = stock behaviour.
     ddtree_state = None
 
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        options = ddtree_options(vllm_config)
+        self._tree_masks = None if options is None else TreeMasks(
+            vllm_config.scheduler_config.max_num_seqs, options.budget, device)
+
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        if ddtree_options(vllm_config) is not None:
-            return AttentionCGSupport.NEVER  # attention runs piecewise (see module doc)
-        return super().get_cudagraph_support(vllm_config, kv_cache_spec)
+        options = ddtree_options(vllm_config)
+        if options is None:
+            return super().get_cudagraph_support(vllm_config, kv_cache_spec)
+        if options.runner == "v2":
+            # Model Runner V2 captures uniform decode batches (every request its B + 1 tree
+            # rows) in full graphs: the tree kernel reads TreeMasks' buffers and the depth
+            # positions' (v2/model_state.py); mixed batches run attention piecewise
+            return AttentionCGSupport.UNIFORM_BATCH
+        return AttentionCGSupport.NEVER  # the V1 runner: attention piecewise (module doc)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
         state = self.ddtree_state
         if state is None or state.options.mode != "tree":
             return meta  # stock engine, or chains (causal is exact)
-        info = tree_mask_info(state.verify, meta.query_start_loc.device)
+        info = self._tree_masks.fill(state.verify, common_attn_metadata.num_reqs)
         if info is None:
             return meta
         return DDTreeTritonMetadata(**vars(meta), ddtree=info)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata):
+        meta = super().build_for_cudagraph_capture(common_attn_metadata)
+        if self.ddtree_state is None or self.ddtree_state.options.mode != "tree":
+            return meta
+        # A full graph of tree verify steps: the tree kernel, on the persistent masks. vLLM
+        # sets seq_lens to 1 for the capture run; a tree's B + 1 rows must fit its sequence.
+        meta.seq_lens.fill_(common_attn_metadata.max_query_len)
+        meta = DDTreeTritonMetadata(**{k: v for k, v in vars(meta).items() if k != "ddtree"},
+                                    ddtree=self._tree_masks.capture(common_attn_metadata.num_reqs))
+        return meta
 
 
 class DDTreeTritonImpl(TritonAttentionImpl):

@@ -38,6 +38,11 @@ from vllm_ddtree.sampling import argmax_rows, verify_rows
 from vllm_ddtree.walk import walk
 
 
+def _host_seq_lens(input_batch):
+    """vLLM's host copy of the sequence lengths (an upper bound), as its own sampler reads it."""
+    return input_batch.seq_lens_cpu_upper_bound.numpy()
+
+
 class TreeVerifier:
     def __init__(self, sampler, step: TreeStep):
         """``sampler``: the runner's V2 ``Sampler`` (its states hold every request's sampling
@@ -72,7 +77,7 @@ class TreeVerifier:
                 step.positions[logits_indices],  # depth positions: noise, min_tokens
                 input_batch.input_ids[logits_indices],
                 input_batch.expanded_local_pos,
-                input_batch.seq_lens_cpu_upper_bound.numpy(),
+                _host_seq_lens(input_batch),
                 return_logprobs=logprobs_dims is not None,
             )
         tree = verify.tree
