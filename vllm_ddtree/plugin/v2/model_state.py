@@ -53,15 +53,6 @@ class TreeStep:
         self.compactor = None  # built with the K/V caches (TreeModelState.initialize_kv_cache)
         self.drafter_layers: set[str] = set()  # the speculator's (set_attn)
         self.moved = torch.zeros((), dtype=torch.int64, device=device)  # K/V slots moved
-        self.verify_steps = 0  # verify steps so far (tests, diagnostics)
-
-    @property
-    def budget(self) -> int:
-        return self.options.budget
-
-    @property
-    def depth(self) -> int:
-        return self.options.depth
 
     @property
     def num_compacted_slots(self) -> int:
@@ -99,7 +90,6 @@ class TreeStep:
             exact=True,
             starts=input_batch.logits_indices[cu_num_logits[:-1].long()],
         )
-        self.verify_steps += 1
 
     def verify_of(self, input_batch) -> VerifyBatch | None:
         """The trees of ``input_batch`` (None for a batch :meth:`begin` did not see: dummy
@@ -150,7 +140,7 @@ class TreeModelState:
         slot_mappings = block_tables.slot_mappings  # [groups, max_num_tokens], persistent
         self.ddtree.compactor = KVCompactor(
             kv_cache_config.kv_cache_groups, forward_context, self.ddtree.drafter_layers,
-            self.ddtree.depth, lambda gid, n: slot_mappings[gid, :n])
+            self.ddtree.options.depth, lambda gid, n: slot_mappings[gid, :n])
         self.ddtree.compactor.warm_up()
 
     def preprocess_state(self, input_batch, block_tables, kv_cache_config,

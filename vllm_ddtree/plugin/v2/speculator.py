@@ -33,7 +33,8 @@ class DDTreeSpeculator(DFlashSpeculator):
     _speculator_name = "DDTree"
 
     def __init__(self, vllm_config, device: torch.device):
-        options = ddtree_options(vllm_config)
+        # (first: 0.33's __init__ sizes a buffer by _num_graph_context_tokens, which reads it)
+        self.options = options = ddtree_options(vllm_config)
         spec = vllm_config.speculative_config
         budget = spec.num_speculative_tokens
         # DFlash sizes its query block and sampling buffers by num_speculative_tokens: the
@@ -43,7 +44,6 @@ class DDTreeSpeculator(DFlashSpeculator):
             super().__init__(vllm_config, device)
         finally:
             spec.num_speculative_tokens = budget
-        self.options = options
         self.step = None  # the model state's TreeStep (set_attn)
         # [max_num_reqs, B] the drafts of the step's requests: their trees' node tokens
         self.tree_tokens = torch.zeros(self.max_num_reqs, options.budget, dtype=torch.int64,
