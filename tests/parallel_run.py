@@ -171,7 +171,10 @@ def _run(llm, job_list, result: dict, log) -> None:
         prompts = [PROMPTS[i] for i in indices]
         sampling = [SamplingParams(**params(i)) for i in indices]
         if name == "staggered":
-            outs = _staggered(llm, prompts, sampling)
+            outs, rounds = _staggered(llm, prompts, sampling)
+            result["rounds"] = {str(i): r for i, r in zip(indices, rounds)}
+            result["prompt_ids"] = {str(i): list(o.prompt_token_ids)
+                                    for i, o in zip(indices, outs)}
         else:
             outs = llm.generate(prompts, sampling, use_tqdm=False)
         result["outputs"][name] = {str(i): list(o.outputs[0].token_ids)
@@ -183,21 +186,27 @@ def _run(llm, job_list, result: dict, log) -> None:
         log(f"job {name} done")
 
 
-def _staggered(llm, prompts: list[str], sampling: list) -> list:
-    """The requests added one every third engine step (the first at once), run to the end."""
+def _staggered(llm, prompts: list[str], sampling: list) -> tuple[list, list[list[int]]]:
+    """The requests added one every third engine step (the first at once), run to the end;
+    their outputs and the tokens each got per step that gave it any (its verify rounds)."""
     engine = llm.llm_engine
     pending = list(enumerate(zip(prompts, sampling)))
     done, steps = {}, 0
+    rounds: list[list[int]] = [[] for _ in prompts]
     while pending or engine.has_unfinished_requests():
         if pending and steps % 3 == 0:
             i, (prompt, params) = pending.pop(0)
             engine.add_request(f"staggered_{i}", prompt, params)
         for out in engine.step():
+            i = int(out.request_id.split("_")[1])
+            new = len(out.outputs[0].token_ids) - sum(rounds[i])
+            if new:
+                rounds[i].append(new)
             if out.finished:
-                done[int(out.request_id.split("_")[1])] = out
+                done[i] = out
         steps += 1
         assert steps < 5000, "the staggered job does not finish"
-    return [done[i] for i in range(len(prompts))]
+    return [done[i] for i in range(len(prompts))], rounds
 
 
 def main() -> None:

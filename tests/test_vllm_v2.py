@@ -75,8 +75,32 @@ def check_v2(result: dict, plain: dict, compacts: bool = True, min_tau: float = 
 
 def test_async_scheduling_every_job(tmp_path, plain_v2):
     """Async scheduling (the host prepares step N + 1 while step N runs), B = 8: greedy,
-    staggered arrivals, request features and logprobs, structured outputs, seeded texts."""
-    check_v2(run_v2(tmp_path, ddtree(8), ALL_JOBS), plain_v2)
+    staggered arrivals, request features and logprobs, structured outputs, seeded texts; and
+    the staggered requests' verify rounds against the transformers engine (vllm_ddtree.hf:
+    its own drafter, K/V cache and trees), round for round: the drafter's context after each
+    tree verify step is the committed text's."""
+    from vllm_utils import TARGET
+
+    from vllm_ddtree.hf.engine import generate
+    from vllm_ddtree.hf.evaluate import load_pair
+
+    budget = 8
+    result = run_v2(tmp_path, ddtree(budget), ALL_JOBS)
+    check_v2(result, plain_v2)
+    target, drafter, _ = load_pair(TARGET, DRAFTER)
+    compared = 0
+    for i, prompt_ids in result["prompt_ids"].items():
+        hf = generate(target, drafter, prompt_ids, method="ddtree", budget=budget,
+                      max_new_tokens=MAX_TOKENS)
+        assert hf.output_ids == result["outputs"]["staggered"][i], f"prompt {i}"
+        rounds = result["rounds"][i]
+        assert rounds[0] == 1  # the prefill's token
+        # (the last round ends at max_tokens in vLLM; the transformers engine counts the
+        # tokens it accepted past it)
+        for round_, (got, want) in enumerate(zip(rounds[1:-1], hf.acceptance_lengths)):
+            assert got == want, (i, round_)
+            compared += 1
+    assert compared >= 4 * len(result["prompt_ids"])
 
 
 @pytest.mark.parametrize("budget, max_batched_tokens", [(1, 0), (64, 96)],
