@@ -264,6 +264,20 @@ def test_dockerfile_copy_sources_exist_and_cover_pyproject():
             f"{path} (needed by pyproject.toml) is not copied to {cwd}/{path}"
 
 
+def test_pyproject_lists_every_package():
+    """A non-editable install (a wheel: the Docker image, the offline bundles) holds only the
+    packages pyproject.toml lists: every folder with an __init__.py must be one of them
+    (vllm_ddtree.plugin.v2 was once missing, and the wheel had no Model Runner V2 support)."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {package: Path(tool.get("package-dir", {}).get(package, package.replace(".", "/")))
+               for package in tool["packages"]}
+    on_disk = {init.parent.relative_to(ROOT) for top in {f.parts[0] for f in folders.values()}
+               for init in (ROOT / top).rglob("__init__.py")}
+    assert on_disk == set(folders.values()), \
+        f"packages with an __init__.py that pyproject.toml does not list: {sorted(map(str, on_disk - set(folders.values())))}"
+
+
 def test_dockerfile_opt_in_env_and_entrypoint():
     tree = ast.parse((ROOT / "vllm_ddtree" / "plugin" / "patches.py").read_text())
     opt_in = next(node.value.value for node in tree.body if isinstance(node, ast.Assign)
