@@ -30,6 +30,11 @@ from pathlib import Path
 
 import pytest
 
+# Before pip (offline_bundle imports pip's vendored packaging): importing pip first switches this
+# process to the stdlib's distutils (setuptools' _distutils_hack), and a later `import setuptools`
+# (vLLM's configs, through torch.utils.cpp_extension) then fails its assertion.
+import setuptools  # noqa: E402, F401
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("offline_bundle", ROOT / "scripts" / "offline_bundle.py")
 ob = importlib.util.module_from_spec(_spec)
