@@ -24,7 +24,6 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -41,6 +40,7 @@ sys.modules["offline_bundle"] = ob
 _spec.loader.exec_module(ob)
 sys.path.insert(0, str(ROOT))
 from vllm_ddtree.plugin import versions  # noqa: E402
+from wheel_utils import make_wheel  # noqa: E402
 
 ABI = json.loads(ob.THIN_ABI_FILE.read_text())
 TORCH_LINKED = ("libtorch.so", "libtorch_cpu.so", "libtorch_cuda.so", "libc10.so")
@@ -150,26 +150,6 @@ def test_cpp_torch_classifier():
 # --- 3. the slim wheel, the checks, pack --thin and unpack ----------------------------------
 
 
-def _wheel(directory: Path, name: str, version: str, files: dict, requires=(), tag="py3-none-any") -> Path:
-    dist = name.replace("-", "_")
-    info = f"{dist}-{version}.dist-info"
-    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
-        f"Requires-Dist: {r}\n" for r in requires)
-    entries = {**files, f"{info}/METADATA": metadata,
-               f"{info}/WHEEL": f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: false\nTag: {tag}\n"}
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{dist}-{version}-{tag}.whl"
-    record = []
-    with zipfile.ZipFile(path, "w") as archive:
-        for member, content in entries.items():
-            data = content.encode() if isinstance(content, str) else content
-            archive.writestr(member, data)
-            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-            record.append(f"{member},sha256={digest},{len(data)}")
-        archive.writestr(f"{info}/RECORD", "\n".join(record + [f"{info}/RECORD,,"]) + "\n")
-    return path
-
-
 def _fake_vllm(directory: Path, version="0.32.0", requires=("fastapi<0.137.0,>=0.133.0", "torch==2.13.0")) -> Path:
     files = {"vllm/__init__.py": f"__version__ = {version!r}\n", "vllm/config.json": "{}",
              "vllm/vllm-rs": b"\x7fELF rust frontend",
@@ -180,7 +160,7 @@ def _fake_vllm(directory: Path, version="0.32.0", requires=("fastapi<0.137.0,>=0
              "vllm/third_party/deep_gemm/__init__.py": "",
              "vllm/csrc/kernel.cu": "// source"}
     files.update({name: f"extension {name}".encode() for name in ob.THIN_EXTENSIONS})
-    return _wheel(directory, "vllm", version, files, requires, tag="cp38-abi3-manylinux_2_28_x86_64")
+    return make_wheel(directory, "vllm", version, files, requires, tag="cp38-abi3-manylinux_2_28_x86_64")
 
 
 def _abi_for(wheel: Path, version="0.32.0") -> dict:
@@ -218,7 +198,7 @@ def test_slim_wheel_keeps_what_runs_and_pip_installs_it(tmp_path):
 
 
 def test_slim_wheel_refuses_a_wheel_without_the_kept_extensions(tmp_path):
-    wheel = _wheel(tmp_path, "vllm", "0.32.0", {"vllm/__init__.py": ""})
+    wheel = make_wheel(tmp_path, "vllm", "0.32.0", {"vllm/__init__.py": ""})
     with pytest.raises(ob.BundleError, match="_C_stable_libtorch"):
         ob.slim_vllm_wheel(wheel, tmp_path / "out.whl")
 
@@ -253,9 +233,9 @@ def thin_bundle(tmp_path):
     """pack --thin with the network steps replaced: a fake vLLM wheel, two pins, the project."""
     source = tmp_path / "source"
     vllm_wheel = _fake_vllm(source)
-    pins = [_wheel(source, "pydantic", "2.14.4", {"pydantic/__init__.py": "VERSION = '2.14.4'\n"}),
-            _wheel(source, "fastapi", "0.136.3", {"fastapi/__init__.py": ""})]
-    project = _wheel(source / "project", "vllm-ddtree", "0.1.0", {"vllm_ddtree/__init__.py": ""},
+    pins = [make_wheel(source, "pydantic", "2.14.4", {"pydantic/__init__.py": "VERSION = '2.14.4'\n"}),
+            make_wheel(source, "fastapi", "0.136.3", {"fastapi/__init__.py": ""})]
+    project = make_wheel(source / "project", "vllm-ddtree", "0.1.0", {"vllm_ddtree/__init__.py": ""},
                      requires=("torch", "numpy"))
     requested = []
 

@@ -15,7 +15,6 @@ the download (``pack`` takes them as arguments); pip runs for real with ``--no-i
    local wheel folder (``--no-index``) with a marker that only the target satisfies.
 """
 
-import base64
 import hashlib
 import importlib.util
 import json
@@ -25,7 +24,6 @@ import random
 import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -34,6 +32,8 @@ import pytest
 # process to the stdlib's distutils (setuptools' _distutils_hack), and a later `import setuptools`
 # (vLLM's configs, through torch.utils.cpp_extension) then fails its assertion.
 import setuptools  # noqa: E402, F401
+
+from wheel_utils import make_wheel  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("offline_bundle", ROOT / "scripts" / "offline_bundle.py")
@@ -45,27 +45,6 @@ HOST_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 PLATFORM = "manylinux_2_28_x86_64"
 ENV_312 = ob.Target("3.12", (PLATFORM,)).marker_environment
 KIB = 1024
-
-
-def make_wheel(directory: Path, name: str, version: str, files: dict, requires=()) -> Path:
-    """A valid pure-Python wheel ``name-version-py3-none-any.whl`` holding ``files`` (path -> str|bytes)."""
-    dist = name.replace("-", "_")
-    info = f"{dist}-{version}.dist-info"
-    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
-        f"Requires-Dist: {r}\n" for r in requires)
-    entries = {**files, f"{info}/METADATA": metadata,
-               f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    record = []
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{dist}-{version}-py3-none-any.whl"
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
-        for member, content in entries.items():
-            data = content.encode() if isinstance(content, str) else content
-            archive.writestr(member, data)
-            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-            record.append(f"{member},sha256={digest},{len(data)}")
-        archive.writestr(f"{info}/RECORD", "\n".join(record + [f"{info}/RECORD,,"]) + "\n")
-    return path
 
 
 def item(name: str, version: str, requires=(), path: Path | None = None) -> dict:

@@ -189,12 +189,47 @@ def test_pp2_default_policy(tmp_path, plain, seeded, num_blocks):
     assert 0 < first <= last <= first + depth * num_steps, (first, last)
 
 
+def start_server_with(cmd: list[str], log_path: str, env: dict[str, str]):
+    """demo.start_server with ``env`` set while the server process starts (then restored)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with open(log_path, "w") as log:
+            return demo.start_server(cmd, log)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def ask_concurrently(port: int, seeded_prompts, max_tokens: int) -> list[tuple[int, list[int]]]:
+    """Every prompt of PROMPTS to the server at ``port``, 8 at a time (with DP = 2 both engines
+    serve), ``max_tokens`` each: greedy, or sampled with SEEDED's parameters and seed 1000 + i for
+    ``seeded_prompts``; -> [(prompt index, token ids)]."""
+    from openai import OpenAI
+
+    # a new connection per request: a pooled keep-alive connection that the server closes
+    # (uvicorn's 5 s idle timeout) just as a thread reuses it fails the request without a
+    # response ("Server disconnected"), and retries are off
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="EMPTY", max_retries=0,
+                    timeout=WATCHDOG_S, default_headers={"Connection": "close"})
+    extra = {"ignore_eos": True, "return_token_ids": True}
+
+    def ask(i: int):
+        params = dict(temperature=0.0, extra_body=extra)
+        if i in seeded_prompts:
+            params = dict(temperature=SEEDED["temperature"], top_p=SEEDED["top_p"],
+                          seed=1000 + i, extra_body=dict(extra, top_k=SEEDED["top_k"]))
+        out = client.completions.create(model="tiny", prompt=PROMPTS[i], max_tokens=max_tokens, **params)
+        return i, out.choices[0].token_ids
+
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(ask, range(len(PROMPTS))))
+
+
 def test_dp2_server_default_policy(tmp_path, plain, seeded):
     """--data-parallel-size 2 through the OpenAI server with the default policy: greedy
     requests equal plain decoding, seeded ones the TP = 1 engine's text, sent concurrently so
     that both engines serve."""
-    from openai import OpenAI
-
     port = demo.free_port()
     cmd = demo.server_command(str(PAIR), "ddtree", 32, port)
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
@@ -202,35 +237,11 @@ def test_dp2_server_default_policy(tmp_path, plain, seeded):
     cmd[cmd.index("--speculative-config") + 1] = json.dumps(spec)
     cmd += ["--data-parallel-size", "2", "--max-num-seqs", "8"]
     log_path = str(tmp_path / "server.log")
-    env_keys = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    saved = {k: os.environ.get(k) for k in env_keys}
-    os.environ.update(env_keys)
-    with open(log_path, "w") as log:
-        proc = demo.start_server(cmd, log)
-    for k, v in saved.items():
-        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    proc = start_server_with(cmd, log_path, {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1"})
     try:
         demo.wait_healthy(proc, port, 300.0, log_path)
-        # a new connection per request: a pooled keep-alive connection that the server closes
-        # (uvicorn's 5 s idle timeout) just as a thread reuses it fails the request without a
-        # response ("Server disconnected"), and retries are off
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="EMPTY", max_retries=0,
-                        timeout=WATCHDOG_S, default_headers={"Connection": "close"})
-        extra = {"ignore_eos": True, "return_token_ids": True}
-
-        def ask(i: int):
-            params = dict(temperature=0.0)
-            if i in SEEDED_PROMPTS:
-                params = dict(temperature=SEEDED["temperature"], top_p=SEEDED["top_p"],
-                              seed=1000 + i, extra_body=dict(extra, top_k=SEEDED["top_k"]))
-            params.setdefault("extra_body", extra)
-            out = client.completions.create(model="tiny", prompt=PROMPTS[i],
-                                            max_tokens=MAX_TOKENS, **params)
-            return i, out.choices[0].token_ids
-
         start = time.time()
-        with ThreadPoolExecutor(8) as pool:  # 10 requests, 8 at a time: both engines serve
-            answers = list(pool.map(ask, range(len(PROMPTS))))
+        answers = ask_concurrently(port, SEEDED_PROMPTS, MAX_TOKENS)
         print(f"{len(answers)} requests in {time.time() - start:.0f} s")
         for i, ids in answers:
             want = seeded[i] if i in SEEDED_PROMPTS else plain["greedy"][str(i)]

@@ -132,44 +132,20 @@ def test_data_parallel_server(tmp_path, plain_v2):
     scheduling on: greedy requests give plain decoding's tokens, seeded ones plain decoding's
     text for their seed, sent concurrently so that both engines serve (and idle ranks run
     their dummy steps through the drafter and the model state)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from openai import OpenAI
-    from parallel_run import PROMPTS, SEEDED
-    from test_vllm_parallel import WATCHDOG_S, demo
+    from parallel_run import PROMPTS
+    from test_vllm_parallel import ask_concurrently, demo, start_server_with
 
     port = demo.free_port()
     cmd = demo.server_command(str(PAIR), "ddtree", 8, port)
     cmd[1:3] = [os.path.join(ROOT, "tests", "v2_server.py")]  # in place of -m api_server
     cmd += ["--data-parallel-size", "2", "--max-num-seqs", "8"]
     log_path = str(tmp_path / "server.log")
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1", "V2_ASYNC": "1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        with open(log_path, "w") as log:
-            proc = demo.start_server(cmd, log)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    seeded = [i for i in range(len(PROMPTS)) if i % 2]  # the "mixed" job's seeded prompts
+    proc = start_server_with(cmd, log_path, {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1",
+                                             "V2_ASYNC": "1"})
     try:
         demo.wait_healthy(proc, port, 300.0, log_path)
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="EMPTY", max_retries=0,
-                        timeout=WATCHDOG_S, default_headers={"Connection": "close"})
-        extra = {"ignore_eos": True, "return_token_ids": True}
-
-        def ask(i: int):
-            params = dict(temperature=0.0, extra_body=extra)
-            if i in seeded:
-                params = dict(temperature=SEEDED["temperature"], top_p=SEEDED["top_p"],
-                              seed=1000 + i, extra_body=dict(extra, top_k=SEEDED["top_k"]))
-            out = client.completions.create(model="tiny", prompt=PROMPTS[i],
-                                            max_tokens=MAX_TOKENS, **params)
-            return i, out.choices[0].token_ids
-
-        with ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(ask, range(len(PROMPTS))))
+        # the "mixed" job's seeded prompts: the odd ones
+        answers = ask_concurrently(port, [i for i in range(len(PROMPTS)) if i % 2], MAX_TOKENS)
         for i, ids in answers:
             assert ids == plain_v2["outputs"]["mixed"][str(i)], f"prompt {i} differs"
         assert proc.poll() is None, demo.tail(log_path, 60)
