@@ -1111,8 +1111,9 @@ def run_jobs(jobs: list[dict], st: Settings, pairs: dict, favored, skip_hooks, r
              log_dir: Path, after_batch=None, run_batch=None) -> dict[str, dict]:
     """Run the jobs in order under ``st.deadline``: one worker process per group (tiny plain +
     ddtree of a dtype share one; each 8B-shaped engine has its own, so a CUDA fault stays
-    there), or all in one with ``st.one_process``. On CUDA a batch whose engine fails to start
-    runs again in the next of COMPILE_MODES, and later batches start from the mode that ran."""
+    there), or all in one with ``st.one_process``. On CUDA the jobs of a batch whose engines
+    failed to start run again in the next of COMPILE_MODES, and later batches start from the
+    mode that ran."""
     run_batch = run_batch or _run_batch
     batches: list[list[dict]] = []
     for j in jobs:  # consecutive jobs of one group share a worker process
@@ -1153,7 +1154,7 @@ def run_jobs(jobs: list[dict], st: Settings, pairs: dict, favored, skip_hooks, r
             failed = [j for j in batch if batch_results[j["name"]].get("status") in START_FAILURES]
             if not failed or mode == modes[-1]:
                 break
-            for j in batch:
+            for j in failed:
                 res = batch_results[j["name"]]
                 attempts[j["name"]].append({"mode": mode, "status": res.get("status"),
                                             "error": (res.get("errors") or {}).get("engine")
@@ -1161,6 +1162,7 @@ def run_jobs(jobs: list[dict], st: Settings, pairs: dict, favored, skip_hooks, r
             mode = modes[modes.index(mode) + 1]
             print(f"   {', '.join(j['name'] for j in failed)}: engine did not start; again in mode "
                   f"{mode!r} ({COMPILE_MODES[mode]})", flush=True)
+            batch = failed  # the jobs that ran keep their results
         if after_batch is not None:
             after_batch(results)
     return results

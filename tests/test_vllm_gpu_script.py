@@ -181,8 +181,9 @@ def test_plan_orders_and_sizes_jobs(script):
 
 
 def test_compile_mode_fallback(script, tmp_path):
-    """On CUDA an engine that fails to start runs again without AOT compile, then eager; the mode
-    that ran is kept for the later batches and every job records its mode and failed attempts."""
+    """On CUDA a job whose engine fails to start runs again without AOT compile, then eager; the
+    mode that ran is kept for the later batches and every job records its mode and failed
+    attempts."""
     defaults = script.default_settings(smoke=False, cuda=True)
     st = script.Settings(smoke=False, cuda=True, parts=["tiny"], methods=script.METHODS, **defaults)
     st.deadline = script.time.time() + 3600
@@ -215,6 +216,16 @@ def test_compile_mode_fallback(script, tmp_path):
                                   for j in (calls.append(batch[0]["mode"]) or batch)})
     assert calls == ["default", "no_aot_compile", "eager"]
     assert results["tiny_fp32_plain"]["mode"] == "eager" and len(results["tiny_fp32_plain"]["failed_modes"]) == 2
+    # only ddtree's engine fails: only it runs again; plain keeps its result and mode
+    calls.clear()
+    results = script.run_jobs(jobs[:2], st, {}, [], {}, tmp_path, tmp_path,
+                              run_batch=lambda batch, *a: {
+                                  j["name"]: {"status": "engine_failed" if j["method"] == "ddtree"
+                                              and j["mode"] == "default" else "done"}
+                                  for j in (calls.append([k["name"] for k in batch]) or batch)})
+    assert calls == [["tiny_fp32_plain", "tiny_fp32_ddtree_b32"], ["tiny_fp32_ddtree_b32"]]
+    assert {n: (r["mode"], r["status"], len(r["failed_modes"])) for n, r in results.items()} == {
+        "tiny_fp32_plain": ("default", "done", 0), "tiny_fp32_ddtree_b32": ("no_aot_compile", "done", 1)}
     eager = script.engine_args(dict(jobs[0], mode="eager"), st, {"target": "t", "drafter": "d"})
     assert eager["enforce_eager"] is True
     assert script.engine_args(dict(jobs[0], mode="no_aot_compile"), st, {"target": "t"})["enforce_eager"] is False
