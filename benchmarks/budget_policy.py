@@ -4,7 +4,9 @@
 Configurations: plain decoding, vLLM's own DFlash chain (L drafts), ddtree with a static budget
 B in ``--budgets``, ddtree with ``ddtree_budget_policy: "auto"`` (maximum budget = the
 largest B), each of these at every ``--tree-temperatures`` t (``ddtree_tree_temperature``; a
-name ends in ``_t<t>`` where t is not 1), and ``ddtree_paused`` (the table ``[[1, 0]]``: the
+name ends in ``_t<t>`` where t is not 1) and with each ``--trees`` kind (calibrated, the
+default, and/or ``raw``: DDTree's trees from the drafter's stated probabilities, a name ending
+in ``_raw``), and ``ddtree_paused`` (the table ``[[1, 0]]``: the
 drafter never drafts), the floor of any budget policy inside vLLM's speculative engine: its
 steps carry the speculative bookkeeping and the drafter's context pass, which plain decoding
 does not.
@@ -89,10 +91,13 @@ def parse_args(argv=None):
                         "(1 pass: 0)")
     p.add_argument("--only", nargs="+", default=None,
                    help="configuration names to run (plain, dflash, ddtree_B<b>, ddtree_auto, "
-                        "ddtree_paused; ddtree_B<b>_t<t>, ddtree_auto_t<t>)")
+                        "ddtree_paused; ddtree_B<b>_t<t>, ddtree_auto_t<t>; ..._raw)")
     p.add_argument("--tree-temperatures", type=float, nargs="+", default=[1.0],
                    help="ddtree_tree_temperature of the static and auto configurations (one "
                         "set each; names end in _t<t> where t is not 1)")
+    p.add_argument("--trees", nargs="+", choices=["calibrated", "raw"], default=["calibrated"],
+                   help="the static and auto configurations' trees: calibrated (the default, "
+                        "ddtree_calibrate_trees) and/or raw (DDTree's; a name ends in _raw)")
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
                    help="GPU: the share of its memory for all engines together")
@@ -115,8 +120,10 @@ def configurations(args, depth: int) -> list[tuple[str, dict | None]]:
     configs = [("plain", None),
                ("dflash", {"method": "dflash", "model": args.drafter,
                            "num_speculative_tokens": depth})]
-    for t in args.tree_temperatures:
+    for t, kind in itertools.product(args.tree_temperatures, args.trees):
         suffix, extra = name_suffix(t), ({} if t == 1.0 else {"ddtree_tree_temperature": t})
+        if kind == "raw":  # DDTree's trees, from the drafter's stated probabilities
+            suffix, extra = suffix + "_raw", {**extra, "ddtree_calibrate_trees": False}
         configs += [(f"ddtree_B{b}{suffix}", {"method": "ddtree", "model": args.drafter,
                                                "num_speculative_tokens": b,
                                                "ddtree_budget_policy": "static", **extra})

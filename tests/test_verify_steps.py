@@ -93,6 +93,27 @@ def test_build_tree_equals_the_torch_path(torch_path, B, L, vocab, kind):
             assert a.dtype == b.dtype and torch.equal(a, b), f"{name}\ntriton {a}\ntorch  {b}"
 
 
+@pytest.mark.parametrize("B,L,vocab", [(16, 5, 9), (64, 8, 40)])
+def test_calibrated_build_tree_equals_the_torch_path(torch_path, B, L, vocab):
+    """A calibrated tree (vllm_ddtree/calibration.py): the kernel gets the calibrated lists
+    (full of exact ties: conditionals capped at 1 or held at a better rank's) and builds the
+    torch path's tree, bit for bit, for an int budget and per-request budgets."""
+    from vllm_ddtree.calibration import CELLS
+    gen = torch.Generator().manual_seed(B + L)
+    logits = random_logits("randn", 3, L, vocab, gen)
+    log_factors = (torch.rand(3, L, CELLS, generator=gen) * 4 + 0.1).log()
+    values, ids, _ = tree_module._calibrated(*_top_log_probs(logits, min(B, vocab)),
+                                             log_factors)
+    for budget in (B, torch.tensor([B, 0, B // 2])):
+        want = build_tree(logits, budget, B, calibration=log_factors)
+        fields = build_tree_triton(values.to(DEVICE), ids.to(DEVICE),
+                                   budget.to(DEVICE) if isinstance(budget, torch.Tensor)
+                                   else budget, B)
+        for name, a in zip(TREE_FIELDS, fields):
+            b = getattr(want, name)
+            assert torch.equal(a.cpu(), b), f"{name}\ntriton {a}\ntorch  {b}"
+
+
 @pytest.mark.parametrize("B", [3, 4, 7, 12])
 def test_build_tree_breaks_exact_ties_across_depths_parents_and_ranks(torch_path, B):
     """Prefixes of exactly equal scores at different depths, under different parents and at

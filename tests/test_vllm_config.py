@@ -81,7 +81,8 @@ def test_valid_config_is_accepted_and_tagged():
     assert config.speculative_config.num_speculative_tokens == 8
     assert config.additional_config["ddtree"] == {"budget": 8, "depth": BLOCK_SIZE - 1,
                                                   "mode": "tree", "budget_policy": "static",
-                                                  "tree_temperature": 1.0, "runner": "v1"}
+                                                  "tree_temperature": 1.0,
+                                                  "calibrate_trees": True, "runner": "v1"}
     assert config.speculative_config.ddtree_options.budget == 8
     # the drafter runs its bonus + L mask queries, whatever B: L + 1 lookahead K/V slots and
     # L drafter slots of the token budget (vLLM's dflash reserves B + 1 and B)
@@ -119,7 +120,7 @@ def test_missing_drafter_model():
 def test_unknown_ddtree_option():
     assert_config_error(ddtree_spec(8, ddtree_foo=1), "unknown option", "ddtree_foo",
                         "ddtree_depth", "ddtree_mode", "ddtree_budget_policy",
-                        "ddtree_tree_temperature")
+                        "ddtree_tree_temperature", "ddtree_calibrate_trees")
 
 
 def test_invalid_mode():
@@ -238,6 +239,24 @@ def test_tree_temperatures_are_accepted(temperature):
 def test_invalid_tree_temperature(temperature):
     assert_config_error(ddtree_spec(8, ddtree_tree_temperature=temperature),
                         f"ddtree_tree_temperature={temperature!r}", "a number in [0.05, 20]")
+
+
+@pytest.mark.parametrize("mode", ["tree", "hsd_chain"])
+@pytest.mark.parametrize("value", [True, False, None])
+def test_calibrate_trees(mode, value):
+    """``ddtree_calibrate_trees``: true unless set false, in tree mode; sampled chains build no
+    tree (the option is accepted and they never calibrate)."""
+    extra = {} if value is None else {"ddtree_calibrate_trees": value}
+    budget = 4 if mode == "hsd_chain" else 8
+    options = engine_config(ddtree_spec(budget, ddtree_mode=mode, **extra)
+                            ).speculative_config.ddtree_options
+    assert options.calibrate_trees is (mode == "tree" and value is not False)
+
+
+@pytest.mark.parametrize("value", [1, 0, "true", "no"])
+def test_invalid_calibrate_trees(value):
+    assert_config_error(ddtree_spec(8, ddtree_calibrate_trees=value),
+                        f"ddtree_calibrate_trees={value!r}", "true or false")
 
 
 def test_tree_temperature_needs_tree_mode():

@@ -192,7 +192,8 @@ def test_acceptance_equals_the_transformers_engine(request, pair, tree_temperatu
     in vLLM. Rounds that start with fewer than L + 1 tokens left are clipped in vLLM (only the
     usable nodes are drafted), so there only the emitted text is compared. The handmade pair
     runs at ``ddtree_tree_temperature`` 0.8 (other trees than at 1.0, checked on the
-    transformers engine): the option reaches vLLM's trees."""
+    transformers engine): the option reaches vLLM's trees. Both build DDTree's trees
+    (``ddtree_calibrate_trees`` false: the transformers engine does not calibrate)."""
     from vllm_utils import DRAFTER, TARGET
 
     from vllm_ddtree.hf.engine import generate
@@ -209,8 +210,8 @@ def test_acceptance_equals_the_transformers_engine(request, pair, tree_temperatu
         at_one = [generate(target, drafter, p, method="ddtree", budget=32,
                            max_new_tokens=max_new).acceptance_lengths for p in prompts]
         assert at_one != [r.acceptance_lengths for r in hf], "the same trees as at 1.0"
-    llm = make_llm(ddtree_spec(32, model=drafter_dir, ddtree_tree_temperature=tree_temperature),
-                   model=target_dir)
+    llm = make_llm(ddtree_spec(32, model=drafter_dir, ddtree_tree_temperature=tree_temperature,
+                               ddtree_calibrate_trees=False), model=target_dir)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     for i, p in enumerate(prompts):

@@ -78,14 +78,15 @@ def test_async_scheduling_every_job(tmp_path, plain_v2):
     staggered arrivals, request features and logprobs, structured outputs, seeded texts; and
     the staggered requests' verify rounds against the transformers engine (vllm_ddtree.hf:
     its own drafter, K/V cache and trees), round for round: the drafter's context after each
-    tree verify step is the committed text's."""
+    tree verify step is the committed text's. (Both build DDTree's trees: the transformers
+    engine does not calibrate, ``ddtree_calibrate_trees`` false.)"""
     from vllm_utils import TARGET
 
     from vllm_ddtree.hf.engine import generate
     from vllm_ddtree.hf.evaluate import load_pair
 
     budget = 8
-    result = run_v2(tmp_path, ddtree(budget), ALL_JOBS)
+    result = run_v2(tmp_path, ddtree(budget, ddtree_calibrate_trees=False), ALL_JOBS)
     check_v2(result, plain_v2)
     target, drafter, _ = load_pair(TARGET, DRAFTER)
     compared = 0

@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 import torch
 
+from vllm_ddtree.calibration import CELLS, DraftTops, calibrated_values, draft_tops, rank_lists
 from vllm_ddtree.kernels.native import cpu_ops
 from vllm_ddtree.kernels.verify_steps import (
     MAX_TRITON_BUDGET,
@@ -67,10 +68,14 @@ class DraftTree:
     token_ids: torch.Tensor  # [batch, B] int64, -1 for padding
     parents: torch.Tensor  # [batch, B] int64, -1 = root (and padding)
     depths: torch.Tensor  # [batch, B] int64, 1..L, 0 for padding
-    scores: torch.Tensor  # [batch, B] float32, log q of the prefix, -inf for padding
+    # [batch, B] float32: the prefix's log q (its calibrated acceptance's log where the tree
+    # was built with a calibration), -inf for padding
+    scores: torch.Tensor
     num_nodes: torch.Tensor  # [batch] int64
     ancestor_mask: torch.Tensor  # [batch, B + 1, ceil((B + 1) / 32)] int32, packed bits
     max_depth: int  # L, the drafter's depth: no node is deeper
+    # the drafter's top tokens per depth, for the calibration (build_tree with calibration)
+    tops: DraftTops | None = None
 
     @property
     def max_budget(self) -> int:
@@ -195,14 +200,9 @@ def _top_log_probs(draft_logits: torch.Tensor, k: int,
 
 def _ranked_log_probs(draft_logits: torch.Tensor, k: int,
                       temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_top_log_probs` in rank order (value desc, then token id asc)."""
-    values, token_ids = _top_log_probs(draft_logits, k, temperature)
-    # topk may order equal values arbitrarily: re-sort by (value desc, token id asc) with a
-    # stable sort over the id-sorted list.
-    token_ids, by_id = token_ids.sort(dim=-1)
-    values = values.gather(-1, by_id)
-    values, order = values.sort(dim=-1, descending=True, stable=True)
-    return values, token_ids.gather(-1, order)
+    """:func:`_top_log_probs` in rank order (value desc, then token id asc: topk may order
+    equal values arbitrarily)."""
+    return rank_lists(*_top_log_probs(draft_logits, k, temperature))
 
 
 @lru_cache(maxsize=64)
@@ -305,6 +305,7 @@ def build_tree(
     budget: int | torch.Tensor | BudgetFn,
     max_budget: int | None = None,
     temperature: float = 1.0,
+    calibration: torch.Tensor | None = None,
 ) -> DraftTree:
     """The top-B prefixes of every request's factorised draft distribution, as a tree.
 
@@ -320,6 +321,10 @@ def build_tree(
             ``budget``, defaults to ``budget`` when it is an int.
         temperature: the distributions are ``softmax(draft_logits / temperature)`` (1.0: the
             drafter's own, DDTree's tree; ``ddtree_tree_temperature``, plugin/options.py).
+        calibration: ``[batch, L, CELLS]`` float32 log-factors of each request's calibration
+            (``vllm_ddtree.calibration``), or None: the tree is the top-B prefixes by
+            calibrated acceptance, its scores the log of that, and its :attr:`DraftTree.tops`
+            what the calibration learns from once the tree is verified.
 
     Returns:
         A :class:`DraftTree` on ``draft_logits.device`` with ``[batch, max_budget]`` fields.
@@ -362,13 +367,16 @@ def build_tree(
         raise ValueError(f"max_budget={max_budget} must be >= 1")
     if depth < 1:
         raise ValueError(f"draft_logits has depth {depth}; a tree needs at least 1 position")
+    if calibration is not None and calibration.shape != (batch, depth, CELLS):
+        raise ValueError(f"calibration.shape={tuple(calibration.shape)}, expected "
+                         f"({batch}, {depth}, {CELLS})")
     num_slots = max_budget
     num_rows = num_slots + 2  # the root, the nodes, the root's copy (see _ancestor_rows)
     k = min(num_slots, vocab)
     ops = cpu_ops(device)
     if ops is not None:  # the fused CPU kernel: the same tree in 3 ops (auto's in 2)
         return _build_tree_fused(draft_logits, budget, budget_fn, num_slots, k, temperature,
-                                 ops.build_tree,
+                                 calibration, ops.build_tree,
                                  lambda values, ids, fields, budgets: ops.first_nodes(
                                      *fields, budgets),
                                  getattr(budget_fn, "build_budgeted", None))
@@ -376,11 +384,12 @@ def build_tree(
         # the Triton kernel on CUDA: one launch (two with per-request budgets: the heap runs
         # again, stopping at each request's budget)
         return _build_tree_fused(draft_logits, budget, budget_fn, num_slots, k, temperature,
-                                 build_tree_triton,
+                                 calibration, build_tree_triton,
                                  lambda values, ids, fields, budgets: build_tree_triton(
                                      values, ids, budgets, num_slots))
 
     top_values, top_ids = _ranked_log_probs(draft_logits, k, temperature)  # [batch, L, k] each
+    top_values, top_ids, tops = _calibrated(top_values, top_ids, calibration)
     pair_i, pair_j = _candidate_pairs(num_slots, k, device)  # [P] each
     entries = _entries(num_slots, k, depth, device)
 
@@ -459,11 +468,24 @@ def build_tree(
         num_nodes=real[:, nodes].sum(dim=1),
         ancestor_mask=_ancestor_rows(parent_nodes, depth),
         max_depth=depth,
+        tops=tops,
     )
 
 
+def _calibrated(values: torch.Tensor, token_ids: torch.Tensor,
+                calibration: torch.Tensor | None):
+    """``(values, token_ids, tops)``: ``[R, L, k]`` ranked lists as the tree build takes them,
+    calibrated where ``calibration`` is given (then ``tops`` holds the drafter's own, for the
+    calibration to learn from; else None and the lists are returned as they are)."""
+    if calibration is None:
+        return values, token_ids, None
+    values, token_ids = rank_lists(values, token_ids)  # (the torch path's are ranked already)
+    return (*calibrated_values(values, token_ids, calibration), draft_tops(values, token_ids))
+
+
 def _build_tree_fused(draft_logits: torch.Tensor, budget, budget_fn: BudgetFn | None,
-                      max_budget: int, k: int, temperature: float, build, keep,
+                      max_budget: int, k: int, temperature: float,
+                      calibration: torch.Tensor | None, build, keep,
                       build_budgeted=None) -> DraftTree:
     """:func:`build_tree` with a fused op: the ranking and DDTree's best-first heap per request
     in one call, ``build(values, token_ids, budget, max_budget)`` (the CPU op
@@ -473,7 +495,8 @@ def _build_tree_fused(draft_logits: torch.Tensor, budget, budget_fn: BudgetFn | 
     (a best-first prefix is a subtree). ``build_budgeted(values, token_ids, max_budget)``, where
     given, does all three at once (auto's budget function on the CPU,
     :class:`vllm_ddtree.budget.FusedAutoBudgets`)."""
-    values, token_ids = _top_log_probs(draft_logits, k, temperature)
+    values, token_ids, tops = _calibrated(*_top_log_probs(draft_logits, k, temperature),
+                                          calibration)
     if build_budgeted is not None:  # the budget function's own build (auto on the CPU)
         fields = build_budgeted(values, token_ids, max_budget)
     else:
@@ -487,7 +510,8 @@ def _build_tree_fused(draft_logits: torch.Tensor, budget, budget_fn: BudgetFn | 
             fields = keep(values, token_ids, fields, budget)
     token_ids, parents, depths, scores, num_nodes, mask = fields
     return DraftTree(token_ids=token_ids, parents=parents, depths=depths, scores=scores,
-                     num_nodes=num_nodes, ancestor_mask=mask, max_depth=draft_logits.shape[1])
+                     num_nodes=num_nodes, ancestor_mask=mask, max_depth=draft_logits.shape[1],
+                     tops=tops)
 
 
 @lru_cache(maxsize=64)

@@ -8,7 +8,8 @@ User-facing keys (everything else passes through to vLLM's ``SpeculativeConfig``
      "ddtree_depth": 15,                 # optional: L, default drafter block_size - 1
      "ddtree_mode": "tree",              # optional: "tree" (default) or "hsd_chain"
      "ddtree_budget_policy": "auto",     # optional: "auto", "static" or [[max_reqs, B], ...]
-     "ddtree_tree_temperature": 1.0}     # optional: trees from softmax(drafter logits / this)
+     "ddtree_tree_temperature": 1.0,     # optional: trees from softmax(drafter logits / this)
+     "ddtree_calibrate_trees": true}     # optional: trees by observed acceptance (tree mode)
 
 ``ddtree_budget_policy`` sizes each request's tree per step (``num_speculative_tokens`` is the
 maximum): ``"auto"`` (the default in tree mode) chooses per-request budgets that maximise
@@ -31,6 +32,15 @@ tree is verified losslessly, so ``t`` changes acceptance and speed, never the ou
 it per drafter (``benchmarks/acceptance.py --tree-temperatures``). Sampled chains
 (``"hsd_chain"``) draft from the request's own temperature and refuse the option.
 
+``ddtree_calibrate_trees`` (tree mode, default true) builds each tree by the acceptance the
+engine observes (``vllm_ddtree/calibration.py``): per depth and rank of a token in the
+drafter's list, how often the target's token had that rank against how often the drafter
+said so, for greedy and sampled requests apart. A drafter right more often than it says gets
+deeper trees, one that is wrong more often gets wider ones; until the engine has evidence the
+trees are DDTree's. ``false`` builds DDTree's trees from the drafter's stated probabilities
+(reproducing the paper's trees, or a reference engine's round for round). Sampled chains
+(``"hsd_chain"``) build no tree: they ignore it.
+
 Inside vLLM the method stays ``"dflash"`` (its DFlash drafter, model and KV plumbing are
 reused) and these options travel in ``additional_config["ddtree"]``.
 """
@@ -42,7 +52,7 @@ from dataclasses import asdict, dataclass
 
 MAX_BUDGET = 1024  # the Triton kernels and the mask packing are tested up to 1024 nodes
 OPTION_KEYS = ("ddtree_depth", "ddtree_mode", "ddtree_budget_policy",
-               "ddtree_tree_temperature")
+               "ddtree_tree_temperature", "ddtree_calibrate_trees")
 POLICIES = ("auto", "static")
 DEFAULT_POLICY = "auto"  # tree mode; sampled chains (hsd_chain) draft a fixed length: "static"
 MODES = ("tree", "hsd_chain")
@@ -60,6 +70,7 @@ class DDTreeOptions:
     mode: str = "tree"  # "tree" | "hsd_chain"
     budget_policy: str | tuple[tuple[int, int], ...] = DEFAULT_POLICY  # see the module doc
     tree_temperature: float = 1.0  # trees from softmax(drafter logits / this), see above
+    calibrate_trees: bool = True  # trees by observed acceptance (tree mode), see above
     runner: str = "v1"  # vLLM's model runner the engine uses: "v1" or "v2" (choose_runner)
 
     def to_dict(self) -> dict:
@@ -197,9 +208,16 @@ def split_speculative_config(spec: dict, pipeline_parallel_size: int = 1,
             f"ddtree: ddtree_tree_temperature={temperature!r} needs ddtree_mode 'tree'; sampled "
             "chains (hsd_chain) draft at each request's own temperature: leave it out"
         )
+    calibrate = spec.pop("ddtree_calibrate_trees", None)
+    if calibrate is not None and not isinstance(calibrate, bool):
+        raise DDTreeConfigError(
+            f"ddtree: ddtree_calibrate_trees={calibrate!r} must be true or false (or leave it "
+            "out: true)")
     spec["method"] = "dflash"
     return spec, DDTreeOptions(budget=budget, depth=depth, mode=mode, budget_policy=policy,
-                               tree_temperature=float(temperature), runner=runner)
+                               tree_temperature=float(temperature),
+                               calibrate_trees=mode == "tree" and calibrate is not False,
+                               runner=runner)
 
 
 def _show(policy) -> str:

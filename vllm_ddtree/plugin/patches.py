@@ -888,9 +888,10 @@ def _wrap_sample(original):
         from vllm_ddtree.plugin.sampler import sampling_batch
 
         src_rows, dst_rows = state.finish_verify(state.verdict)
+        sampling = sampling_batch(self.input_batch.sampling_metadata)
+        sampled = None if sampling is None else ~sampling.is_greedy
+        state.observe_calibration(sampled)  # the trees' calibration
         if state.budgets.calibration is not None:  # auto: the step's outcome calibrates it
-            sampling = sampling_batch(self.input_batch.sampling_metadata)
-            sampled = None if sampling is None else ~sampling.is_greedy
             state.budgets.observe_verify(state.verify.tree, state.verdict.accepted_nodes,
                                          state.verify.matched, sampled)
         if self.ddtree_compactor is not None:

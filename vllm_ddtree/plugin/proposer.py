@@ -108,6 +108,7 @@ class DDTreeProposer(DFlashProposer):
         self._pending_tree: DraftTree | None = None
         self._pending_probs: torch.Tensor | None = None
         self._pending_budget = state.budget  # this step's build_tree budget (policy)
+        self._pending_calibration = None  # and its calibration (TreeState.tree_calibration)
         # what _sample_draft_tokens hands DFlash (which only reshapes it): one buffer, no op
         self._placeholder_ids = torch.zeros(self.max_batch_size * state.depth, dtype=torch.int64,
                                             device=device)
@@ -139,10 +140,10 @@ class DDTreeProposer(DFlashProposer):
         state = self.ddtree_state
         self.flush_context()  # paused steps' context first, then this step's: in order
         num_reqs = kwargs["next_token_ids"].shape[0]
-        sampled = structured = None  # only auto's budgets weigh them
+        sampling = sampling_batch(kwargs["sampling_metadata"])
+        sampled = None if sampling is None else ~sampling.is_greedy  # [R] bool, T > 0
+        structured = None  # only auto's budgets weigh it
         if state.budgets.name == "auto":
-            sampling = sampling_batch(kwargs["sampling_metadata"])
-            sampled = None if sampling is None else ~sampling.is_greedy  # [R] bool, T > 0
             requests = self._runner.requests
             structured = [has_structured_outputs(requests[req_id])
                           for req_id in self._runner.input_batch.req_ids[:num_reqs]]
@@ -155,6 +156,7 @@ class DDTreeProposer(DFlashProposer):
                 table.block_size)
             state.context_written(self._step_slots(kwargs["target_hidden_states"].shape[0]))
         self._pending_budget = state.budgets.budget(num_reqs, sampled, complete, structured)
+        self._pending_calibration = state.tree_calibration(sampled, num_reqs)
         self._pending_tree = None
         super().propose(state.depth, **kwargs)
         tree = self._pending_tree
@@ -337,7 +339,8 @@ class DDTreeProposer(DFlashProposer):
         else:
             self._pending_tree = build_tree(
                 logits, self._pending_budget, max_budget=self.ddtree_state.budget,
-                temperature=self.ddtree_state.options.tree_temperature)
+                temperature=self.ddtree_state.options.tree_temperature,
+                calibration=self._pending_calibration)
             self._pending_probs = None
         return self._placeholder_ids[: num_reqs * depth], None
 

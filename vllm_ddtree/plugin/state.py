@@ -16,6 +16,7 @@ One :class:`TreeState` belongs to one model runner (no module-global context). A
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from functools import lru_cache
@@ -23,6 +24,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from vllm_ddtree.calibration import DraftTops, TreeCalibration
 from vllm_ddtree.kernels.native import cpu_ops
 from vllm_ddtree.kernels.verify_steps import finish_verify_triton, triton_stages
 from vllm_ddtree.plugin.options import DDTreeOptions
@@ -304,8 +306,12 @@ class TreeState:
         self._padding_node = torch.tensor([[PADDING_TOKEN_ID], [-1], [0]], device=device)
         self._nodes_like: dict[int, torch.Tensor] = {}  # width -> [1, 3, width] (record_proposal)
         self.proposals = ProposalStore(max_num_reqs, device, empty={
-            "nodes": self._padding_node, "scores": float("-inf"), "mask": pad_mask})
+            "nodes": self._padding_node, "scores": float("-inf"), "mask": pad_mask,
+            "top_ids": -1})
         self.budgets = BudgetController(options, device)
+        # trees by observed acceptance (vllm_ddtree/calibration.py), whatever the budget policy
+        self.calibration = (TreeCalibration(options.depth, device) if options.calibrate_trees
+                            else None)
         # The latest proposal's node parents and depths on the host, {req_id: row} ->
         # [R, 2, B] int16, for clip_drafts (copied with vLLM's own draft copy, read after vLLM
         # waits for it).
@@ -405,12 +411,37 @@ class TreeState:
     def depth(self) -> int:
         return self.options.depth
 
+    def tree_calibration(self, sampled: torch.Tensor | None, num_reqs: int
+                         ) -> torch.Tensor | None:
+        """``build_tree``'s calibration for a proposal of ``num_reqs`` requests (``sampled``:
+        ``[R]`` bool, T > 0; None: all greedy), or None (DDTree's trees)."""
+        if self.calibration is None:
+            return None
+        if sampled is None:
+            sampled = torch.zeros(num_reqs, dtype=torch.bool, device=self.device)
+        return self.calibration.log_factors(sampled)
+
+    def observe_calibration(self, sampled: torch.Tensor | None) -> None:
+        """Fold the verify step's outcome (:meth:`finish_verify`) into the tree calibration:
+        the requests whose trees were their recorded proposals (device ops only)."""
+        verify, verdict = self.verify, self.verdict
+        if self.calibration is None or verify is None or verify.tree.tops is None:
+            return
+        counted = verify.matched & (verify.tree.num_nodes > 0)
+        if sampled is None:
+            sampled = torch.zeros_like(counted)
+        self.calibration.observe(verify.tree.tops, verdict.output_tokens, verdict.num_accepted,
+                                 counted, sampled)
+
     def record_proposal(self, req_ids: list[str], tree: DraftTree,
                         draft_law: tuple[torch.Tensor, ...] | None = None) -> None:
         """Keep the trees drafted for ``req_ids`` (row r of ``tree`` is ``req_ids[r]``), and for
         sampled chains the drafter law they were drawn from (tensors with one row per request),
-        until each request is verified or proposed for again."""
+        until each request is verified or proposed for again; with them the drafter's top
+        tokens (:attr:`DraftTree.tops`) the calibration learns from."""
         law = {f"law{i}": t for i, t in enumerate(draft_law or ())}
+        tops = {} if tree.tops is None else {"top_ids": tree.tops.token_ids,
+                                             "top_probs": tree.tops.probs}
         self._latest_law_names = tuple(law)
         self._latest_rows = {req_id: row for row, req_id in enumerate(req_ids)}
         ops = cpu_ops(self.device)
@@ -427,10 +458,12 @@ class TreeState:
             self._latest_nodes = ops.store_trees_(
                 *store.tree_buffers(), slots, tree.token_ids, tree.parents, tree.depths,
                 tree.scores, tree.ancestor_mask)
+            for name, values in tops.items():
+                store.buffer(name, values).index_copy_(0, slots, values)
             return
         nodes = torch.stack([tree.token_ids, tree.parents, tree.depths], dim=1)  # [R, 3, B]
         self.proposals.put(req_ids, {"nodes": nodes, "scores": tree.scores,
-                                     "mask": tree.ancestor_mask, **law})
+                                     "mask": tree.ancestor_mask, **law, **tops})
         # Queued before vLLM's own copy of the draft ids, whose event vLLM waits on before it
         # reads them: read in clip_drafts after that wait, so this adds no synchronisation.
         self._latest_nodes = nodes[:, 1:].to(torch.int16).to("cpu", non_blocking=True)
@@ -727,6 +760,10 @@ class TreeState:
         if token_rows is not None and offsets is not None:  # [R, B + 1], root column 0
             table = torch.nn.functional.pad(offsets, (1, 0)).view(-1)
             position_shift = table[uploaded[per_request.numel():]]
+        top_ids = store.get("top_ids", slots) if self.calibration is not None else None
+        if top_ids is not None:  # what the calibration learns from (rows of matched trees)
+            tree = dataclasses.replace(tree, tops=DraftTops(top_ids,
+                                                            store.get("top_probs", slots)))
         self.last_num_draft = list(num_draft)
         self.verify = VerifyBatch(tree=tree, num_draft=list(num_draft),
                                   query_start=list(query_start), num_tokens=num_tokens,

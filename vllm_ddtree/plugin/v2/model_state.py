@@ -30,7 +30,9 @@ scheduler already put there (the batch's draft counts, its query starts).
 from __future__ import annotations
 
 import torch
+from vllm.sampling_params import SamplingType
 
+from vllm_ddtree.calibration import TreeCalibration
 from vllm_ddtree.plugin.options import DDTreeConfigError, DDTreeOptions
 from vllm_ddtree.plugin.state import VerifyBatch
 from vllm_ddtree.plugin.v2.trees import SlotTrees, needs_chain_history
@@ -45,6 +47,9 @@ class TreeStep:
         self.options = options
         self.device = device
         self.trees = SlotTrees(max_num_reqs, options.budget, options.depth, device)
+        # trees by observed acceptance (vllm_ddtree/calibration.py)
+        self.calibration = (TreeCalibration(options.depth, device) if options.calibrate_trees
+                            else None)
         # [max_num_tokens] the target's positions: chain positions, depth-shifted on tree rows
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
         self.verify: VerifyBatch | None = None  # the step's trees (attention reads them)
@@ -126,8 +131,10 @@ class TreeModelState:
 
     def add_request(self, req_index: int, new_req_data) -> None:
         super().add_request(req_index, new_req_data)
-        self.ddtree.trees.reset(req_index,
-                                bool(needs_chain_history(new_req_data.sampling_params)))
+        params = new_req_data.sampling_params
+        self.ddtree.trees.reset(req_index, bool(needs_chain_history(params)),
+                                params is not None
+                                and params.sampling_type != SamplingType.GREEDY)
 
     def initialize_kv_cache(self, kv_cache_config, block_tables) -> None:
         super().initialize_kv_cache(kv_cache_config, block_tables)

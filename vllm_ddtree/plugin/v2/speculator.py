@@ -84,10 +84,14 @@ class DDTreeSpeculator(DFlashSpeculator):
         depth = self.num_speculative_steps  # L mask positions per request
         num_sample = num_reqs * depth
         logits = self.model.compute_logits(hidden[self.sample_indices[:num_sample]])
-        tree = build_tree(logits.view(num_reqs, depth, -1), self.options.budget,
-                          temperature=self.options.tree_temperature)
-        if self.step is None:  # memory profiling, before the K/V caches exist
-            return
+        step = self.step  # None: memory profiling, before the K/V caches exist
         # each request's slot (-1 for a padding row: its tree goes nowhere)
         slots = self.sample_idx_mapping[:num_sample].view(num_reqs, depth)[:, 0]
-        self.tree_tokens[:num_reqs] = self.step.trees.store(slots, tree)
+        calibration = None
+        if step is not None and step.calibration is not None:
+            calibration = step.calibration.log_factors(
+                step.trees.sampled[step.trees.targets(slots)])
+        tree = build_tree(logits.view(num_reqs, depth, -1), self.options.budget,
+                          temperature=self.options.tree_temperature, calibration=calibration)
+        if step is not None:
+            self.tree_tokens[:num_reqs] = step.trees.store(slots, tree)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_ddtree.calibration import CELLS, TOP_RANKS, DraftTops
 from vllm_ddtree.plugin.state import _verify_constants
 from vllm_ddtree.tree import PADDING_TOKEN_ID, DraftTree
 
@@ -59,12 +60,23 @@ class SlotTrees:
         self.mask = pad_mask.expand(rows, -1, -1).clone()
         # [S + 2] bool: the slot's request is verified without nodes (needs_chain_history)
         self.no_tree = torch.zeros(rows, dtype=torch.bool, device=device)
+        # [S + 2] bool: the slot's request samples (T > 0): its trees' calibration row
+        self.sampled = torch.zeros(rows, dtype=torch.bool, device=device)
+        # the drafter's top tokens of each slot's tree (DraftTops), for the calibration
+        self.top_ids = torch.full((rows, depth, TOP_RANKS), -1, dtype=torch.int64,
+                                  device=device)
+        self.top_probs = torch.zeros(rows, depth, CELLS, device=device)
 
-    def reset(self, slot: int, no_tree: bool) -> None:
+    def reset(self, slot: int, no_tree: bool, sampled: bool) -> None:
         """A request enters ``slot``: the empty tree until the drafter writes one."""
-        for buf in (self.nodes, self.scores, self.mask):
+        for buf in (self.nodes, self.scores, self.mask, self.top_ids, self.top_probs):
             buf[slot] = buf[self.empty_slot]
         self.no_tree[slot] = no_tree
+        self.sampled[slot] = sampled
+
+    def targets(self, slots: torch.Tensor) -> torch.Tensor:
+        """The rows that a batch's ``slots`` (-1: a padding row) write to."""
+        return torch.where(slots < 0, self.padding_slot, slots)
 
     def store(self, slots: torch.Tensor, tree: DraftTree) -> torch.Tensor:
         """Keep ``tree`` (row r for slot ``slots[r]``; -1: a padding row) until it is verified.
@@ -73,7 +85,7 @@ class SlotTrees:
         with 0 for padding nodes (they become input ids; the tree marks them padding) and for
         requests verified without nodes. Device ops only.
         """
-        target = torch.where(slots < 0, self.padding_slot, slots)
+        target = self.targets(slots)
         keep = ~self.no_tree[target]  # [R]
         nodes = torch.stack([tree.token_ids, tree.parents, tree.depths], dim=1)  # [R, 3, B]
         empty = self.empty_slot
@@ -83,6 +95,9 @@ class SlotTrees:
                                                        self.scores[empty]))
         self.mask.index_copy_(0, target, torch.where(keep[:, None, None], tree.ancestor_mask,
                                                      self.pad_mask))
+        if tree.tops is not None:  # (a request without nodes is never counted)
+            self.top_ids.index_copy_(0, target, tree.tops.token_ids)
+            self.top_probs.index_copy_(0, target, tree.tops.probs)
         return torch.where(keep[:, None] & (tree.depths > 0), tree.token_ids, 0)
 
     def batch(self, slots: torch.Tensor, num_draft: torch.Tensor, width: int) -> DraftTree:
@@ -109,4 +124,5 @@ class SlotTrees:
             num_nodes=real.sum(dim=1),
             ancestor_mask=mask,
             max_depth=min(self.depth, width),
+            tops=DraftTops(self.top_ids[slots], self.top_probs[slots]),
         )

@@ -88,6 +88,10 @@ class TreeVerifier:
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             (verdict.num_accepted + 1).to(torch.int32), input_batch.seq_lens, cu_num_logits,
             input_batch.idx_mapping, sampler.req_states.prefill_len.gpu)
+        if step.calibration is not None:  # the trees' calibration learns from this step
+            counted = verify.matched & (tree.num_nodes > 0)
+            step.calibration.observe(tree.tops, verdict.output_tokens, verdict.num_accepted,
+                                     counted, step.trees.sampled[input_batch.idx_mapping])
         src, dst, step.gather_index = accepted_moves(
             verdict.accepted_rows, verify.starts, verify.num_tokens, step.moved)
         step.compactor.compact(src, dst, verify.num_tokens, num_reqs)
