@@ -193,3 +193,39 @@ def test_an_underconfident_drafter_that_is_always_right_gets_the_chain():
 def test_build_tree_refuses_a_calibration_of_another_shape():
     with pytest.raises(ValueError, match="calibration.shape"):
         build_tree(torch.randn(2, 3, 10), 4, calibration=torch.zeros(2, 3, CELLS + 1))
+
+
+def test_fused_ops_equal_their_torch_twins(monkeypatch):
+    """The three fused CPU ops (kernels/csrc/ddtree_cpu.cpp) against the torch path on the same
+    inputs: the factors of each request's kind, the calibrated lists with their tops (lists
+    full of ties: ranks lifted to the cap, values held at a better rank's), and the update
+    (random trees, outputs, counted and sampled rows, a decay)."""
+    gen = torch.Generator().manual_seed(5)
+    num_reqs, depth, k = 6, 5, 12
+    values = torch.log_softmax(torch.randn(num_reqs, depth, 40, generator=gen) * 2, -1)
+    values, ids = values.topk(k, dim=-1)
+    values[0, 0, 3:6] = values[0, 0, 3]  # exact ties in the drafter's own values
+    perm = torch.randperm(k, generator=gen)
+    values, ids = values[..., perm], ids[..., perm]  # any order, as top-k leaves them
+    output = torch.randint(0, 40, (num_reqs, depth + 1), generator=gen)
+    output[:, 0] = ids[:, 0].gather(-1, values[:, 0].argmax(-1, keepdim=True))[:, 0]
+    num_accepted = torch.tensor([0, 1, 2, 5, 3, 4])
+    counted = torch.tensor([True, True, False, True, True, True])
+    sampled = torch.tensor([False, True, True, False, False, True])
+    results = []
+    for native in ("1", "0"):
+        monkeypatch.setenv("VLLM_DDTREE_NATIVE", native)
+        cal = TreeCalibration(depth, torch.device("cpu"), decay=0.9)
+        cal.observed += torch.rand(2, depth, CELLS, generator=torch.Generator().manual_seed(1),
+                                   dtype=torch.float64) * 3
+        log_factors = cal.log_factors(sampled)
+        from vllm_ddtree.calibration import calibrate_lists
+
+        lists = calibrate_lists(values, ids, log_factors + 2.0 * (torch.arange(CELLS) == 1))
+        cal.observe(lists[2], output, num_accepted, counted, sampled)
+        results.append((log_factors, *lists[:2], *lists[2], cal.observed, cal.predicted))
+    for name, a, b in zip(("factors", "values", "ids", "top ids", "top probs", "observed",
+                           "predicted"), *results):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert (torch.equal(a, b) if name in ("ids", "top ids", "values", "observed")
+                else torch.allclose(a, b, atol=1e-6)), f"{name}\nfused {a}\ntorch {b}"

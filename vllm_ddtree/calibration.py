@@ -30,7 +30,10 @@ drafter above ``c`` -> 1/0.52 at rank 0 and -> 0 at rank 1: the tree's first L n
 chain of first choices, which is then never worse than vLLM's ``dflash`` chain.
 
 Everything is device work of fixed shape (no host synchronisation): the per-request factors are
-one gather, the update one scatter-add.
+one gather, the update one scatter-add. On the CPU each of the three steps (the factors, the
+calibrated lists with their tops, the update) is one fused op (``kernels/csrc/ddtree_cpu.cpp``:
+their torch twins here ran ~45 small ops a step, 7 % of a step at one request on the tiny
+pair's shapes).
 """
 
 from __future__ import annotations
@@ -39,8 +42,10 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["TOP_RANKS", "CELLS", "DraftTops", "TreeCalibration", "calibrated_values",
-           "draft_tops", "rank_lists"]
+from vllm_ddtree.kernels.native import cpu_ops
+
+__all__ = ["TOP_RANKS", "CELLS", "DraftTops", "TreeCalibration", "calibrate_lists",
+           "calibrated_values", "draft_tops", "rank_lists"]
 
 TOP_RANKS = 3  # ranks 0, 1, 2 are a cell each
 CELLS = TOP_RANKS + 1  # ... and cell TOP_RANKS holds every lower rank
@@ -102,6 +107,20 @@ def calibrated_values(values: torch.Tensor, token_ids: torch.Tensor,
     return rank_lists(calibrated, token_ids)
 
 
+def calibrate_lists(values: torch.Tensor, token_ids: torch.Tensor, log_factors: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, DraftTops]:
+    """``[R, L, k]`` top-k log-probabilities and token ids (any order) -> the calibrated lists
+    (:func:`calibrated_values`) and the drafter's :class:`DraftTops`: what the tree build takes
+    and what the calibration later learns from. One fused op on the CPU."""
+    ops = cpu_ops(values.device)
+    if ops is not None:
+        *lists, top_ids, top_probs = ops.calibrate_lists(
+            values.contiguous(), token_ids.contiguous(), log_factors.contiguous())
+        return (*lists, DraftTops(top_ids, top_probs))
+    values, token_ids = rank_lists(values, token_ids)
+    return (*calibrated_values(values, token_ids, log_factors), draft_tops(values, token_ids))
+
+
 class TreeCalibration:
     """The calibration of the module doc, on the device: decayed sums per (kind, depth, cell).
 
@@ -129,6 +148,10 @@ class TreeCalibration:
     def log_factors(self, sampled: torch.Tensor) -> torch.Tensor:
         """``[R, L, CELLS]`` float32 ``log c`` for each request (``sampled``: ``[R]`` bool,
         T > 0), what :func:`calibrated_values` takes."""
+        ops = cpu_ops(sampled.device)
+        if ops is not None:  # the fused CPU kernel: one op
+            return ops.tree_log_factors(self.observed, self.predicted, self.prior,
+                                        sampled.contiguous())
         return self.factors().log()[sampled.long()].float()
 
     def observe(self, tops: DraftTops, output_tokens: torch.Tensor,
@@ -145,6 +168,13 @@ class TreeCalibration:
                 proposal: ``tops`` belong to this step's root).
             sampled: ``[R]`` bool, T > 0.
         """
+        ops = cpu_ops(output_tokens.device)
+        if ops is not None:  # the fused CPU kernel: one op
+            ops.tree_calibration_observe_(
+                self.observed, self.predicted, tops.token_ids.contiguous(),
+                tops.probs.contiguous(), output_tokens.contiguous(), num_accepted.contiguous(),
+                counted.contiguous(), sampled.contiguous(), self.decay)
+            return
         num_reqs, depth = tops.probs.shape[:2]
         width = min(output_tokens.shape[1], depth)  # the depths with a drafter list
         targets = output_tokens[:, :width]  # [R, D]: the target's token at depth d + 1

@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_ddtree.calibration import CELLS, DraftTops, calibrated_values, draft_tops, rank_lists
+from vllm_ddtree.calibration import CELLS, DraftTops, calibrate_lists, rank_lists
 from vllm_ddtree.kernels.native import cpu_ops
 from vllm_ddtree.kernels.verify_steps import (
     MAX_TRITON_BUDGET,
@@ -479,8 +479,7 @@ def _calibrated(values: torch.Tensor, token_ids: torch.Tensor,
     calibration to learn from; else None and the lists are returned as they are)."""
     if calibration is None:
         return values, token_ids, None
-    values, token_ids = rank_lists(values, token_ids)  # (the torch path's are ranked already)
-    return (*calibrated_values(values, token_ids, calibration), draft_tops(values, token_ids))
+    return calibrate_lists(values, token_ids, calibration)
 
 
 def _build_tree_fused(draft_logits: torch.Tensor, budget, budget_fn: BudgetFn | None,

@@ -11,6 +11,7 @@
 //   tree_attention_info <- vllm_ddtree.plugin.cpu_attention.tree_attention_info
 //   tree_attention_ <- cpu_attention.tree_rows_attention over the layout's gathers
 //   auto_budgets, calibration_observe_ <- vllm_ddtree.budget (auto's budget function)
+//   tree_log_factors, calibrate_lists, tree_calibration_observe_ <- vllm_ddtree.calibration
 //   context_complete <- TreeState.context_complete (torch path)
 //   argmax_rows    <- torch.argmax (vllm_ddtree.sampling.argmax_rows)
 //   top_k_         <- torch.topk (vllm_ddtree.tree._top_log_probs)
@@ -778,6 +779,168 @@ void calibration_observe_(Tensor predicted, Tensor observed, const Tensor& score
     for (int64_t j = 0; j < A; ++j) {
       const int64_t i = an[r * A + j];
       if (0 <= i && i < B && dp[r * B + i] > 0) ob[cell(r, i)] += 1.0;
+    }
+  }
+}
+
+// The trees' calibration (vllm_ddtree/calibration.py), kind 0 greedy / 1 sampled, cells
+// TOP_RANKS + 1 = 4. tree_log_factors: [R, L, C] float32 log c of each request's kind, c =
+// (observed + prior) / (predicted + prior) (TreeCalibration.log_factors).
+Tensor tree_log_factors(const Tensor& observed, const Tensor& predicted, double prior,
+                        const Tensor& sampled) {
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&observed, &predicted, &sampled}) {
+    check_cpu(*t, "calibration input");
+  }
+  TORCH_CHECK(observed.scalar_type() == at::kDouble && observed.dim() == 3 &&
+                  observed.size(0) == 2 && predicted.sizes() == observed.sizes() &&
+                  predicted.scalar_type() == at::kDouble && sampled.scalar_type() == at::kBool &&
+                  sampled.dim() == 1,
+              "tree_log_factors: unexpected dtypes or shapes");
+  const int64_t R = sampled.size(0), L = observed.size(1), C = observed.size(2);
+  Tensor out = at::empty({R, L, C}, observed.options().dtype(at::kFloat));
+  const double* ob = observed.data_ptr<double>();
+  const double* pr = predicted.data_ptr<double>();
+  const bool* smp = sampled.data_ptr<bool>();
+  float* o = out.data_ptr<float>();
+  float kinds[2][64 * 8];  // (both kinds' rows, computed once; L * C <= 512 checked below)
+  TORCH_CHECK(L * C <= 512, "tree_log_factors: L * cells must be <= 512");
+  for (int64_t k = 0; k < 2; ++k) {
+    for (int64_t i = 0; i < L * C; ++i) {
+      const int64_t j = k * L * C + i;
+      kinds[k][i] = static_cast<float>(std::log((ob[j] + prior) / (pr[j] + prior)));
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) std::memcpy(o + r * L * C, kinds[smp[r] ? 1 : 0],
+                                               sizeof(float) * L * C);
+  return out;
+}
+
+// calibrate_lists: [R, L, k] log-probabilities and ids (any order) -> the calibrated lists
+// (calibrated_values: v + log c of the rank's cell, capped at 0, running min along the ranks,
+// ranked again by (value desc, id asc)) and the drafter's tops (draft_tops: the first C - 1
+// ranked ids, -1 past k, their probabilities and the rest's mass).
+std::tuple<Tensor, Tensor, Tensor, Tensor> calibrate_lists(const Tensor& values,
+                                                           const Tensor& ids,
+                                                           const Tensor& log_factors) {
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&values, &ids, &log_factors}) {
+    check_cpu(*t, "calibrate_lists input");
+  }
+  TORCH_CHECK(values.dim() == 3 && values.scalar_type() == at::kFloat &&
+                  ids.sizes() == values.sizes() && ids.scalar_type() == at::kLong &&
+                  log_factors.scalar_type() == at::kFloat && log_factors.dim() == 3 &&
+                  log_factors.size(0) == values.size(0) &&
+                  log_factors.size(1) == values.size(1),
+              "calibrate_lists: unexpected dtypes or shapes");
+  const int64_t R = values.size(0), L = values.size(1), K = values.size(2);
+  const int64_t C = log_factors.size(2), top = C - 1;
+  Tensor out_values = at::empty({R, L, K}, values.options());
+  Tensor out_ids = at::empty({R, L, K}, ids.options());
+  Tensor top_ids = at::empty({R, L, top}, ids.options());
+  Tensor top_probs = at::empty({R, L, C}, values.options());
+  const float* val = values.data_ptr<float>();
+  const int64_t* tok = ids.data_ptr<int64_t>();
+  const float* lf = log_factors.data_ptr<float>();
+  float* ov = out_values.data_ptr<float>();
+  int64_t* oi = out_ids.data_ptr<int64_t>();
+  int64_t* ti = top_ids.data_ptr<int64_t>();
+  float* tp = top_probs.data_ptr<float>();
+  at::parallel_for(0, R * L, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> order(K);
+    std::vector<float> cal(K);
+    for (int64_t row = begin; row < end; ++row) {
+      const float* v = val + row * K;
+      const int64_t* t = tok + row * K;
+      for (int64_t j = 0; j < K; ++j) order[j] = j;
+      std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+        if (v[a] != v[b]) return v[a] > v[b];
+        return t[a] < t[b];
+      });
+      float sum = 0.f;
+      for (int64_t j = 0; j < top; ++j) {
+        const bool in = j < K;
+        ti[row * top + j] = in ? t[order[j]] : -1;
+        const float q = in ? std::exp(v[order[j]]) : 0.f;
+        tp[row * C + j] = q;
+        sum += q;
+      }
+      tp[row * C + top] = std::max(1.f - sum, 0.f);
+      float best = 0.f;
+      for (int64_t j = 0; j < K; ++j) {
+        const float x = std::min(v[order[j]] + lf[row * C + std::min(j, top)], 0.f);
+        best = std::min(best, x);
+        cal[j] = best;
+      }
+      // ranked again by (value desc, id asc): ties (a cap, a held value) go by token id
+      std::vector<int64_t> again(K);
+      for (int64_t j = 0; j < K; ++j) again[j] = j;
+      std::sort(again.begin(), again.end(), [&](int64_t a, int64_t b) {
+        if (cal[a] != cal[b]) return cal[a] > cal[b];
+        return t[order[a]] < t[order[b]];
+      });
+      for (int64_t j = 0; j < K; ++j) {
+        ov[row * K + j] = cal[again[j]];
+        oi[row * K + j] = t[order[again[j]]];
+      }
+    }
+  });
+  return {out_values, out_ids, top_ids, top_probs};
+}
+
+// tree_calibration_observe_: TreeCalibration.observe in one op. Both sums decay; for each
+// counted request, every depth d < min(W, L) with d <= num_accepted counts the cell of the
+// target's token (output_tokens[r, d]) among the tops, and adds the tops' probabilities.
+void tree_calibration_observe_(Tensor observed, Tensor predicted, const Tensor& top_ids,
+                               const Tensor& top_probs, const Tensor& output_tokens,
+                               const Tensor& num_accepted, const Tensor& counted,
+                               const Tensor& sampled, double decay) {
+  for (const Tensor* t : std::initializer_list<const Tensor*>{
+           &observed, &predicted, &top_ids, &top_probs, &output_tokens, &num_accepted, &counted,
+           &sampled}) {
+    check_cpu(*t, "calibration input");
+  }
+  TORCH_CHECK(observed.scalar_type() == at::kDouble && observed.dim() == 3 &&
+                  predicted.sizes() == observed.sizes() &&
+                  predicted.scalar_type() == at::kDouble && top_ids.dim() == 3 &&
+                  top_ids.scalar_type() == at::kLong && top_probs.dim() == 3 &&
+                  top_probs.scalar_type() == at::kFloat &&
+                  top_probs.size(2) == observed.size(2) &&
+                  top_ids.size(2) == observed.size(2) - 1 &&
+                  output_tokens.scalar_type() == at::kLong && output_tokens.dim() == 2 &&
+                  num_accepted.scalar_type() == at::kLong && counted.scalar_type() == at::kBool &&
+                  sampled.scalar_type() == at::kBool,
+              "tree_calibration_observe_: unexpected dtypes or shapes");
+  const int64_t R = top_ids.size(0), D = top_ids.size(1), C = observed.size(2), top = C - 1;
+  const int64_t L = observed.size(1), W = output_tokens.size(1);
+  TORCH_CHECK(D == L, "tree_calibration_observe_: the tops' depth is not the calibration's");
+  double* ob = observed.data_ptr<double>();
+  double* pr = predicted.data_ptr<double>();
+  for (int64_t i = 0; i < 2 * L * C; ++i) {
+    ob[i] *= decay;
+    pr[i] *= decay;
+  }
+  const int64_t* ti = top_ids.data_ptr<int64_t>();
+  const float* tp = top_probs.data_ptr<float>();
+  const int64_t* out = output_tokens.data_ptr<int64_t>();
+  const int64_t* acc = num_accepted.data_ptr<int64_t>();
+  const bool* cn = counted.data_ptr<bool>();
+  const bool* smp = sampled.data_ptr<bool>();
+  const int64_t width = std::min(W, L);
+  for (int64_t r = 0; r < R; ++r) {
+    if (!cn[r]) continue;
+    const int64_t kind = smp[r] ? 1 : 0;
+    for (int64_t d = 0; d < width && d <= acc[r]; ++d) {
+      const int64_t target = out[r * W + d];
+      int64_t cell = top;
+      for (int64_t j = 0; j < top; ++j) {
+        if (ti[(r * D + d) * top + j] == target) {
+          cell = j;
+          break;
+        }
+      }
+      double* o = ob + (kind * L + d) * C;
+      double* p = pr + (kind * L + d) * C;
+      o[cell] += 1.0;
+      for (int64_t c = 0; c < C; ++c) p[c] += static_cast<double>(tp[(r * D + d) * C + c]);
     }
   }
 }
@@ -1598,6 +1761,13 @@ TORCH_LIBRARY(ddtree, m) {
         "Tensor limit, float tie) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("calibration_observe_(Tensor(a!) predicted, Tensor(b!) observed, Tensor scores, "
         "Tensor depths, Tensor accepted_nodes, Tensor counted, Tensor sampled, float decay) -> ()");
+  m.def("tree_log_factors(Tensor observed, Tensor predicted, float prior, Tensor sampled) "
+        "-> Tensor");
+  m.def("calibrate_lists(Tensor values, Tensor ids, Tensor log_factors) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("tree_calibration_observe_(Tensor(a!) observed, Tensor(b!) predicted, Tensor top_ids, "
+        "Tensor top_probs, Tensor output_tokens, Tensor num_accepted, Tensor counted, "
+        "Tensor sampled, float decay) -> ()");
   m.def("copy_slots_(Tensor(a!)[] flats, Tensor offsets, int slot_stride, Tensor slot_mapping, "
         "Tensor src_rows, Tensor dst_rows) -> ()");
   m.def("context_complete(Tensor valid, Tensor block_table, int[] num_computed, "
@@ -1621,5 +1791,8 @@ TORCH_LIBRARY_IMPL(ddtree, CPU, m) {
   m.impl("auto_budgets", &auto_budgets);
   m.impl("build_tree_auto", &build_tree_auto);
   m.impl("calibration_observe_", &calibration_observe_);
+  m.impl("tree_log_factors", &tree_log_factors);
+  m.impl("calibrate_lists", &calibrate_lists);
+  m.impl("tree_calibration_observe_", &tree_calibration_observe_);
   m.impl("copy_slots_", &copy_slots_);
 }
