@@ -2,8 +2,8 @@
 """Acceptance (tau = mean tokens per target forward, bonus included) on held-out prompts.
 
 Methods: the DFlash argmax chain, DDTree at budgets {2, ..., 128} (and at each
-``--tree-temperatures`` t: trees from softmax(drafter logits / t), the plugin's
-``ddtree_tree_temperature``), the sampled chain verified by capped HSD vs token-wise, at
+``--tree-temperatures`` t: trees from softmax(drafter logits / t), a hand-set correction the
+plugin's calibrated trees replace), the sampled chain verified by capped HSD vs token-wise, at
 temperatures 0 and 1, through the transformers engine; with
 ``--vllm`` also vLLM's own ``dflash`` and (when the plugin registers it) ``ddtree`` on the CPU.
 Prints a table, writes JSON and a PNG (tau vs budget) to benchmarks/results/.

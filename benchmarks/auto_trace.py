@@ -3,7 +3,7 @@
 steady workload (c requests in flight at all times).
 
     .venv/bin/python benchmarks/auto_trace.py [--concurrency 8] [--budget 24]
-        [--tree-temperature 0.85] [--rounds 4] [--out PATH]
+        [--rounds 4] [--out PATH]
 
 Plain decoding and auto (maximum tree ``--budget``) run side by side, round by round, each
 round one steady cell per engine (``--passes`` x 32 prompts). For each round: both engines'
@@ -71,16 +71,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--budget", type=int, default=24)
-    parser.add_argument("--tree-temperature", type=float, default=0.85)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                       "auto_trace_cpu.json"))
     args = parser.parse_args()
-    auto = f"ddtree_auto{budget_policy.name_suffix(args.tree_temperature)}"
+    auto = "ddtree_auto"
     policy_args = budget_policy.parse_args(
         ["--concurrency", str(args.concurrency), "--budgets", str(args.budget),
-         "--tree-temperatures", str(args.tree_temperature), "--only", "plain", auto])
+         "--only", "plain", auto])
     configs = budget_policy.configurations(policy_args, budget_policy.drafter_depth(
         policy_args.drafter))
     llms = budget_policy.start_engines(policy_args, configs)

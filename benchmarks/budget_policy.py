@@ -3,10 +3,9 @@
 
 Configurations: plain decoding, vLLM's own DFlash chain (L drafts), ddtree with a static budget
 B in ``--budgets``, ddtree with ``ddtree_budget_policy: "auto"`` (maximum budget = the
-largest B), each of these at every ``--tree-temperatures`` t (``ddtree_tree_temperature``; a
-name ends in ``_t<t>`` where t is not 1) and with each ``--trees`` kind (calibrated, the
-default, and/or ``raw``: DDTree's trees from the drafter's stated probabilities, a name ending
-in ``_raw``), and ``ddtree_paused`` (the table ``[[1, 0]]``: the
+largest B), each of these with each ``--trees`` kind (calibrated, the default, and/or ``raw``:
+DDTree's trees from the drafter's stated probabilities, ``ddtree_calibrate_trees`` false, a
+name ending in ``_raw``), and ``ddtree_paused`` (the table ``[[1, 0]]``: the
 drafter never drafts), the floor of any budget policy inside vLLM's speculative engine: its
 steps carry the speculative bookkeeping and the drafter's context pass, which plain decoding
 does not.
@@ -91,10 +90,7 @@ def parse_args(argv=None):
                         "(1 pass: 0)")
     p.add_argument("--only", nargs="+", default=None,
                    help="configuration names to run (plain, dflash, ddtree_B<b>, ddtree_auto, "
-                        "ddtree_paused; ddtree_B<b>_t<t>, ddtree_auto_t<t>; ..._raw)")
-    p.add_argument("--tree-temperatures", type=float, nargs="+", default=[1.0],
-                   help="ddtree_tree_temperature of the static and auto configurations (one "
-                        "set each; names end in _t<t> where t is not 1)")
+                        "ddtree_paused; ddtree_B<b>_raw, ddtree_auto_raw)")
     p.add_argument("--trees", nargs="+", choices=["calibrated", "raw"], default=["calibrated"],
                    help="the static and auto configurations' trees: calibrated (the default, "
                         "ddtree_calibrate_trees) and/or raw (DDTree's; a name ends in _raw)")
@@ -109,21 +105,15 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def name_suffix(tree_temperature: float) -> str:
-    """How a configuration's name says its ``ddtree_tree_temperature``: ``_t<t>``, nothing at
-    1. Example: 0.85 -> "_t0.85" (``ddtree_B16_t0.85``)."""
-    return "" if tree_temperature == 1.0 else f"_t{tree_temperature:g}"
-
-
 def configurations(args, depth: int) -> list[tuple[str, dict | None]]:
     top = max(args.budgets)
     configs = [("plain", None),
                ("dflash", {"method": "dflash", "model": args.drafter,
                            "num_speculative_tokens": depth})]
-    for t, kind in itertools.product(args.tree_temperatures, args.trees):
-        suffix, extra = name_suffix(t), ({} if t == 1.0 else {"ddtree_tree_temperature": t})
+    for kind in args.trees:
+        suffix, extra = "", {}
         if kind == "raw":  # DDTree's trees, from the drafter's stated probabilities
-            suffix, extra = suffix + "_raw", {**extra, "ddtree_calibrate_trees": False}
+            suffix, extra = "_raw", {"ddtree_calibrate_trees": False}
         configs += [(f"ddtree_B{b}{suffix}", {"method": "ddtree", "model": args.drafter,
                                                "num_speculative_tokens": b,
                                                "ddtree_budget_policy": "static", **extra})
@@ -421,8 +411,8 @@ def main(argv=None) -> None:
                  for c in args.concurrency]
         print(f"{r['name']:18s} " + " ".join(f"{cell:>16s}" for cell in cells))
     summary = {}
-    # auto (at the first of --tree-temperatures) against the best of everything a user could
-    # pick instead: plain decoding, dflash and every static budget (at every tree temperature)
+    # auto (the first of --trees) against the best of everything a user could pick instead:
+    # plain decoding, dflash and every static budget (with every kind of tree)
     auto = next((r for r in rows if r["name"].startswith("ddtree_auto")), None)
     if auto is not None:
         others = [r for r in rows

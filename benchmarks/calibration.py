@@ -2,7 +2,7 @@
 """How often a drafter's tree nodes are accepted against how often it says, per depth and
 score bin: the data behind auto's calibration (``vllm_ddtree.budget.Calibration``).
 
-    .venv/bin/python benchmarks/calibration.py [--budget 24] [--tree-temperature 0.85]
+    .venv/bin/python benchmarks/calibration.py [--budget 24]
         [--target T --drafter D] [--num-prompts 32] [--max-tokens 64] [--out PATH]
 
 Runs vLLM with ddtree at a static budget B, greedy, one held-out prompt at a time (the prompts
@@ -40,7 +40,6 @@ def main() -> None:
     parser.add_argument("--target", default=os.path.join(PAIR, "target"))
     parser.add_argument("--drafter", default=os.path.join(PAIR, "drafter"))
     parser.add_argument("--budget", type=int, default=24)
-    parser.add_argument("--tree-temperature", type=float, default=1.0)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
@@ -66,7 +65,7 @@ def main() -> None:
 
     TreeState.finish_verify = recording
     spec = {"method": "ddtree", "model": args.drafter, "num_speculative_tokens": args.budget,
-            "ddtree_budget_policy": "static", "ddtree_tree_temperature": args.tree_temperature}
+            "ddtree_budget_policy": "static"}
     llm = make_llm(spec, model=args.target, max_num_seqs=8, kv_cache_memory_bytes=1 << 28)
     prompt_args = budget_policy.parse_args(["--target", args.target, "--prompt-len", "64"])
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -90,7 +89,7 @@ def main() -> None:
     rows = []
     header = "depth  all     " + "  ".join(f"bin {b} [{-b - 1},{-b})" if b < SCORE_BINS - 1
                                            else f"bin {b} (< {-b})" for b in range(SCORE_BINS))
-    print(f"{int(nodes.sum())} nodes, B = {args.budget}, t = {args.tree_temperature}")
+    print(f"{int(nodes.sum())} nodes, B = {args.budget}, calibrated trees")
     print(header)
     for d in range(depth):
         if not nodes[d].sum():
@@ -110,7 +109,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"device": "cpu", "command": "python benchmarks/calibration.py "
                    + " ".join(sys.argv[1:]), "budget": args.budget,
-                   "tree_temperature": args.tree_temperature, "nodes": int(nodes.sum()),
+                   "calibrated_trees": True, "nodes": int(nodes.sum()),
                    "depths": rows}, f, indent=1)
     print(f"wrote {args.out}")
 

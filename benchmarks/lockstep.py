@@ -95,8 +95,7 @@ def timed_step(name: str, llm) -> tuple[float, list]:
 
 def configurations(args) -> list[tuple[str, dict | None]]:
     bench = budget_policy.parse_args(
-        ["--budgets", *map(str, args.budgets), "--tree-temperatures", str(args.tree_temperature),
-         "--concurrency", str(args.concurrency)])
+        ["--budgets", *map(str, args.budgets), "--concurrency", str(args.concurrency)])
     known = dict(budget_policy.configurations(bench, budget_policy.drafter_depth(bench.drafter)))
     auto = next(spec for name, spec in known.items() if name.startswith("ddtree_auto"))
     known["ddtree_cold"] = auto
@@ -222,7 +221,6 @@ def main(argv=None) -> None:
                    help="time N decode steps of long requests instead of waves")
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--budgets", type=int, nargs="+", default=[16, 24])
-    p.add_argument("--tree-temperature", type=float, default=0.85)
     p.add_argument("--only", nargs="+", default=["plain", "ddtree_cold", "ddtree_paused"],
                    help="configurations; the first is the reference of the ratios")
     p.add_argument("--out", default=None)

@@ -2,7 +2,7 @@
 """Where a verify step's time goes: wall time per stage, in place, for ddtree and vLLM's dflash.
 
     .venv/bin/python benchmarks/stage_times.py [--target T --drafter D] [--budgets 16]
-        [--auto 24] [--tree-temperature 1.0] [--requests 1] [--max-tokens 64] [--rounds 2]
+        [--auto 24] [--requests 1] [--max-tokens 64] [--rounds 2]
         [--out PATH]
 
 Every engine runs in one process, side by side: dflash (L drafts) and ddtree (static budget)
@@ -181,8 +181,6 @@ def main() -> None:
                         help="ddtree's static budgets B (dflash drafts L)")
     parser.add_argument("--auto", type=int, nargs="*", default=[],
                         help="ddtree engines with ddtree_budget_policy auto, at these B")
-    parser.add_argument("--tree-temperature", type=float, default=1.0,
-                        help="ddtree_tree_temperature of every ddtree engine")
     parser.add_argument("--requests", type=int, default=1, help="prompts per wave")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -195,8 +193,7 @@ def main() -> None:
                                      "num_speculative_tokens": depth})]
     configs += [(f"ddtree_{'auto' if auto else 'B'}{b}", f"ddtree{' auto' if auto else ''}",
                  {"method": "ddtree", "model": args.drafter, "num_speculative_tokens": b,
-                  "ddtree_budget_policy": "auto" if auto else "static",
-                  "ddtree_tree_temperature": args.tree_temperature})
+                  "ddtree_budget_policy": "auto" if auto else "static"})
                 for auto, budgets in ((False, args.budgets), (True, args.auto)) for b in budgets]
     results = run(configs, args.target, args.requests, args.max_tokens, args.rounds,
                   args.num_prompts)

@@ -103,7 +103,7 @@ def main(argv=None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     ls = argparse.Namespace(concurrency=args.concurrency, waves=args.waves,
                             max_tokens=args.max_tokens, decode_steps=0, max_model_len=512,
-                            budgets=[16], tree_temperature=0.85, only=["plain", "ddtree_cold"])
+                            budgets=[16], only=["plain", "ddtree_cold"])
     engines, prompts = lockstep.start_warm(lockstep.configurations(ls), ls)
     timers = Timers()
     install(timers)

@@ -2,7 +2,7 @@
 """Replay recorded full-width trees under tree-sizing rules: what auto's sizing is worth at one
 request, by its own cost model, with the acceptances the target really gave.
 
-    .venv/bin/python benchmarks/tree_replay.py [--budget 24] [--tree-temperature 0.85]
+    .venv/bin/python benchmarks/tree_replay.py [--budget 24]
         [--first-prompt 0] [--num-prompts 32] [--max-tokens 64] [--trees PATH] [--out PATH]
 
 Record (skipped when ``--trees`` names an existing file): vLLM with ddtree "auto" at maximum
@@ -71,7 +71,7 @@ def record(args) -> dict:
 
     TreeState.finish_verify = recording
     spec = {"method": "ddtree", "model": args.drafter, "num_speculative_tokens": args.budget,
-            "ddtree_budget_policy": "auto", "ddtree_tree_temperature": args.tree_temperature}
+            "ddtree_budget_policy": "auto"}
     llm = make_llm(spec, model=args.target, max_num_seqs=8, kv_cache_memory_bytes=1 << 28)
     controller = ddtree_state(llm).budgets
     prompt_args = budget_policy.parse_args(["--target", args.target, "--prompt-len", "64"])
@@ -148,7 +148,6 @@ def main() -> None:
     parser.add_argument("--target", default=os.path.join(PAIR, "target"))
     parser.add_argument("--drafter", default=os.path.join(PAIR, "drafter"))
     parser.add_argument("--budget", type=int, default=24)
-    parser.add_argument("--tree-temperature", type=float, default=0.85)
     parser.add_argument("--first-prompt", type=int, default=0)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -178,7 +177,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"device": "cpu", "command": "python benchmarks/tree_replay.py "
                    + " ".join(sys.argv[1:]), "trees": len(data["trees"]),
-                   "budget": args.budget, "tree_temperature": args.tree_temperature,
+                   "budget": args.budget, "calibrated_trees": True,
                    "first_prompt": args.first_prompt, "num_prompts": args.num_prompts,
                    "recorded_cost_model": data["cost"],
                    "recorded_on_overhead_s": data["on_overhead"], "rows": rows}, f, indent=1)

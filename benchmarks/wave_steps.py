@@ -2,7 +2,7 @@
 """How many requests each decode step of ``budget_policy.py``'s waves runs, per configuration.
 
     .venv/bin/python benchmarks/wave_steps.py [--concurrency 8 32] [--budgets 16]
-        [--tree-temperature 0.85] [--out PATH]
+        [--out PATH]
 
 ``budget_policy.py`` runs its prompts in waves of c requests of exactly ``--max-tokens`` tokens.
 Plain decoding finishes a wave's requests in the same step; drafting finishes them at different
@@ -65,17 +65,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--budgets", type=int, nargs="+", default=[16])
-    parser.add_argument("--tree-temperature", type=float, default=0.85)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                       "wave_steps_cpu.json"))
     args = parser.parse_args()
-    suffix = budget_policy.name_suffix(args.tree_temperature)
     policy_args = budget_policy.parse_args(
         ["--concurrency", *map(str, args.concurrency), "--max-tokens", str(args.max_tokens),
-         "--budgets", *map(str, args.budgets), "--tree-temperatures", str(args.tree_temperature),
-         "--only", "plain", *(f"ddtree_B{b}{suffix}" for b in args.budgets)])
+         "--budgets", *map(str, args.budgets),
+         "--only", "plain", *(f"ddtree_B{b}" for b in args.budgets)])
     configs = budget_policy.configurations(policy_args, budget_policy.drafter_depth(
         policy_args.drafter))
     llms = budget_policy.start_engines(policy_args, configs)

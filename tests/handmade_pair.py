@@ -57,3 +57,18 @@ def make_pair(out: Path, *, hidden=256, layers=4, heads=4, kv_heads=2, head_dim=
     init_weights(drafter, std, torch.Generator().manual_seed(seed + 1))
     drafter.save_pretrained(str(out / "drafter"), dtype=torch.float32)
     return str(out / "target"), str(out / "drafter")
+
+
+def make_unsure_pair(out: Path, confidence: float = 0.52, token: int = 100) -> tuple[str, str]:
+    """``benchmarks/oracle_pair.py --confidence``'s pair in ``out``: a target whose greedy output
+    is ``token`` after every prefix (the oracle: plain decoding's text, known without running
+    it) and a drafter always right at every depth that says so with probability
+    ~``confidence``. Returns (target, drafter) paths."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "oracle_pair.py"
+    spec = importlib.util.spec_from_file_location("oracle_pair", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.make_pair(str(out), token, confidence)
+    return str(Path(out) / "target"), str(Path(out) / "drafter")

@@ -169,7 +169,7 @@ def test_tiny_pair_config_through_vllm_cli(monkeypatch):
     assert config.speculative_config.method == "dflash"
     assert config.additional_config["ddtree"]["budget"] == load(TINY)["num_speculative_tokens"]
     assert config.additional_config["ddtree"]["depth"] == 7
-    assert config.additional_config["ddtree"]["tree_temperature"] == 0.85
+    assert config.additional_config["ddtree"]["calibrate_trees"] is True
 
 
 # ------------------------------------------------------------------------------------ 4. Docker

@@ -283,9 +283,9 @@ def test_int_tensor_and_function_budgets_agree():
 
 @pytest.mark.parametrize("native", ["1", "0"])
 def test_tree_temperature_is_the_tree_of_the_scaled_logits(native, monkeypatch):
-    """``temperature=t`` (``ddtree_tree_temperature``) builds the heap's tree of ``logits / t``
-    on both paths (the fused CPU op and torch), for int, tensor and function budgets; a
-    sharper law (t < 1) grows deeper trees, a flatter one (t > 1) wider ones."""
+    """``temperature=t`` (the transformers engine's ``tree_temperature``) builds the heap's tree
+    of ``logits / t`` on both paths (the fused CPU op and torch), for int, tensor and function
+    budgets; a sharper law (t < 1) grows deeper trees, a flatter one (t > 1) wider ones."""
     monkeypatch.setenv("VLLM_DDTREE_NATIVE", native)
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(6, 5, 50, generator=gen) * 2.0

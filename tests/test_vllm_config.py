@@ -81,7 +81,6 @@ def test_valid_config_is_accepted_and_tagged():
     assert config.speculative_config.num_speculative_tokens == 8
     assert config.additional_config["ddtree"] == {"budget": 8, "depth": BLOCK_SIZE - 1,
                                                   "mode": "tree", "budget_policy": "static",
-                                                  "tree_temperature": 1.0,
                                                   "calibrate_trees": True, "runner": "v1"}
     assert config.speculative_config.ddtree_options.budget == 8
     # the drafter runs its bonus + L mask queries, whatever B: L + 1 lookahead K/V slots and
@@ -120,7 +119,7 @@ def test_missing_drafter_model():
 def test_unknown_ddtree_option():
     assert_config_error(ddtree_spec(8, ddtree_foo=1), "unknown option", "ddtree_foo",
                         "ddtree_depth", "ddtree_mode", "ddtree_budget_policy",
-                        "ddtree_tree_temperature", "ddtree_calibrate_trees")
+                        "ddtree_calibrate_trees")
 
 
 def test_invalid_mode():
@@ -226,45 +225,14 @@ def test_budget_policy_needs_tree_mode():
                         "ddtree_budget_policy='auto'", "ddtree_mode 'tree'", "'static'")
 
 
-@pytest.mark.parametrize("temperature", [0.05, 0.85, 1, 20])
-def test_tree_temperatures_are_accepted(temperature):
-    config = engine_config(ddtree_spec(8, ddtree_tree_temperature=temperature))
-    stored = config.additional_config["ddtree"]["tree_temperature"]
-    assert stored == temperature and isinstance(stored, float)
-    assert config.speculative_config.ddtree_options.tree_temperature == temperature
-
-
-@pytest.mark.parametrize("temperature", [0, -1.0, 0.01, 21, float("nan"), float("inf"), "0.8",
-                                         True, None])
-def test_invalid_tree_temperature(temperature):
-    assert_config_error(ddtree_spec(8, ddtree_tree_temperature=temperature),
-                        f"ddtree_tree_temperature={temperature!r}", "a number in [0.05, 20]")
-
-
-@pytest.mark.parametrize("mode", ["tree", "hsd_chain"])
-@pytest.mark.parametrize("value", [True, False, None])
-def test_calibrate_trees(mode, value):
-    """``ddtree_calibrate_trees``: true unless set false, in tree mode; sampled chains build no
-    tree (the option is accepted and they never calibrate)."""
-    extra = {} if value is None else {"ddtree_calibrate_trees": value}
-    budget = 4 if mode == "hsd_chain" else 8
-    options = engine_config(ddtree_spec(budget, ddtree_mode=mode, **extra)
-                            ).speculative_config.ddtree_options
-    assert options.calibrate_trees is (mode == "tree" and value is not False)
-
-
-@pytest.mark.parametrize("value", [1, 0, "true", "no"])
-def test_invalid_calibrate_trees(value):
-    assert_config_error(ddtree_spec(8, ddtree_calibrate_trees=value),
-                        f"ddtree_calibrate_trees={value!r}", "true or false")
-
-
-def test_tree_temperature_needs_tree_mode():
-    assert_config_error(ddtree_spec(4, ddtree_mode="hsd_chain", ddtree_tree_temperature=0.8),
-                        "ddtree_tree_temperature=0.8", "ddtree_mode 'tree'", "leave it out")
-    # 1.0 (the default, spelled out) changes nothing and is accepted
-    spec = ddtree_spec(4, ddtree_mode="hsd_chain", ddtree_tree_temperature=1.0)
-    assert engine_config(spec).additional_config["ddtree"]["mode"] == "hsd_chain"
+def test_removed_tree_temperature():
+    """``ddtree_tree_temperature`` is gone (calibrated trees learn what it guessed): any value,
+    in any mode, stops the engine with what replaced it."""
+    for value in (0.85, 1.0):
+        for mode in ("tree", "hsd_chain"):
+            assert_config_error(ddtree_spec(4, ddtree_mode=mode, ddtree_tree_temperature=value),
+                                "ddtree_tree_temperature was removed", "ddtree_calibrate_trees",
+                                "remove the option")
 
 
 def test_hsd_chain_budget_beyond_depth():

@@ -185,6 +185,24 @@ def test_drafter_with_other_attention_shapes(tmp_path_factory):
              min_tau=1.1)
 
 
+def test_calibrated_trees_on_v2(tmp_path_factory):
+    """Calibrated trees on V2 (issue 54's case, ``tests/handmade_pair.make_unsure_pair``: a
+    drafter always right that says so with probability ~0.52), B = 8, async scheduling: the
+    slots' drafter tops reach the verifier, the calibration reaches the drafter's next trees
+    (read inside its step, not the host's), and the trees soon accept L + 1 = 8 tokens a step,
+    the chain's (over the run, first steps included: > 6; DDTree's trees: ~4,
+    ``test_vllm_greedy``); every output token is plain decoding's
+    (token 100 after every prefix)."""
+    from handmade_pair import make_unsure_pair
+
+    tmp = tmp_path_factory.mktemp("unsure_v2")
+    target, drafter = make_unsure_pair(tmp / "pair")
+    result = run_v2(tmp, ddtree(8, drafter), "greedy", model=target)
+    outputs = result["outputs"]["greedy"]
+    assert outputs and all(ids == [100] * MAX_TOKENS for ids in outputs.values())
+    assert result["mean_acceptance_length"] > 6.0, result["mean_acceptance_length"]
+
+
 def test_harness_gumbel_twin_equals_vllms_kernel():
     """The harness's torch twin of vLLM's Gumbel sampling kernel (tests/v2_harness.py) samples
     what the kernel samples in Triton's interpreter: greedy and random rows, negative seeds,

@@ -1,11 +1,13 @@
 """Tree budgets per request and step: static, a batch-size table, or cost-aware ("auto").
 
 A request's tree is its first b nodes in best-first order (any prefix is a subtree). Node i
-has score ``s_i = log q(path to i)`` under the drafter's factorised surrogate, and by DDTree's
-Prop. 1 the expected accepted length of a tree is the sum over its nodes of the probability of
-each node's path. The drafter is over- or under-confident, differently at each depth and each
-level of probability (the tiny pair's drafter: its likeliest paths about right, the paths of
-probability e^-5 to e^-3 accepted 1.6-6.7x more often than it says), so the **gain** of a node at
+has score ``s_i = log q(path to i)``: the path's estimated acceptance, calibrated per depth and
+drafter rank where the trees are (``vllm_ddtree.calibration``), else the drafter's factorised
+surrogate; by DDTree's Prop. 1 the expected accepted length of a tree is the sum over its nodes
+of the probability of each node's path. That estimate is still off, differently at each depth
+and each level of probability (the tiny pair's drafter, uncalibrated: its likeliest paths about
+right, the paths of probability e^-5 to e^-3 accepted 1.6-6.7x more often than it says), so
+the **gain** of a node at
 depth d with score s is ``g = c_{d,b} * exp(s)``, ``b = bin(s)`` (:func:`score_bins`), where
 the calibration ``c_{d,b}`` is the ratio of the acceptances actually observed for such nodes to
 the drafter's predictions for them (:class:`Calibration`, running on the device).

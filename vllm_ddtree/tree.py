@@ -320,7 +320,8 @@ def build_tree(
         max_budget: the padded width B of the outputs; required with a tensor or a function
             ``budget``, defaults to ``budget`` when it is an int.
         temperature: the distributions are ``softmax(draft_logits / temperature)`` (1.0: the
-            drafter's own, DDTree's tree; ``ddtree_tree_temperature``, plugin/options.py).
+            drafter's own, DDTree's tree; the transformers engine's ``tree_temperature``, for
+            acceptance studies: the plugin calibrates its trees instead, ``calibration``).
         calibration: ``[batch, L, CELLS]`` float32 log-factors of each request's calibration
             (``vllm_ddtree.calibration``), or None: the tree is the top-B prefixes by
             calibrated acceptance, its scores the log of that, and its :attr:`DraftTree.tops`

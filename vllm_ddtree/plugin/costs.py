@@ -135,7 +135,8 @@ def measure_costs(runner) -> CostModel:
         logits = drafter.model.compute_logits(hidden).view(num_reqs, depth, -1)
         sampled = torch.zeros(num_reqs, dtype=torch.bool, device=device)
         build_tree(logits, budget_function(unit_cost, Calibration(depth, device), sampled),
-                   max_budget=budget, temperature=state.options.tree_temperature)  # as served
+                   max_budget=budget, calibration=state.tree_calibration(sampled, num_reqs))
+        # (as served: the trees calibrated, the budget function's fused op)
 
     verify_grid, draft_grid = _grids(runner)
     with torch.inference_mode(), torch.random.fork_rng(devices=[device] if cuda else []):

@@ -8,7 +8,6 @@ User-facing keys (everything else passes through to vLLM's ``SpeculativeConfig``
      "ddtree_depth": 15,                 # optional: L, default drafter block_size - 1
      "ddtree_mode": "tree",              # optional: "tree" (default) or "hsd_chain"
      "ddtree_budget_policy": "auto",     # optional: "auto", "static" or [[max_reqs, B], ...]
-     "ddtree_tree_temperature": 1.0,     # optional: trees from softmax(drafter logits / this)
      "ddtree_calibrate_trees": true}     # optional: trees by observed acceptance (tree mode)
 
 ``ddtree_budget_policy`` sizes each request's tree per step (``num_speculative_tokens`` is the
@@ -23,14 +22,6 @@ requests (the last row beyond its bound).
 ``"hsd_chain"`` drafts a chain of ``num_speculative_tokens`` (<= L) tokens SAMPLED from the
 drafter's distributions at each request's temperature and verifies it with the lossless HSD
 sampler (:func:`vllm_ddtree.sampling.hsd_verify`); greedy requests get argmax chains.
-
-``ddtree_tree_temperature`` (tree mode, > 0, default 1.0) scales the drafter's logits before
-the tree is built: the tree is the top-B prefixes of ``softmax(logits / t)`` per depth. 1.0 is
-DDTree's tree. A drafter whose top token is right more often than its probability says (an
-underconfident one) accepts more with ``t < 1``, which favours deep paths over siblings. Any
-tree is verified losslessly, so ``t`` changes acceptance and speed, never the output; measure
-it per drafter (``benchmarks/acceptance.py --tree-temperatures``). Sampled chains
-(``"hsd_chain"``) draft from the request's own temperature and refuse the option.
 
 ``ddtree_calibrate_trees`` (tree mode, default true) builds each tree by the acceptance the
 engine observes (``vllm_ddtree/calibration.py``): per depth and rank of a token in the
@@ -52,7 +43,13 @@ from dataclasses import asdict, dataclass
 
 MAX_BUDGET = 1024  # the Triton kernels and the mask packing are tested up to 1024 nodes
 OPTION_KEYS = ("ddtree_depth", "ddtree_mode", "ddtree_budget_policy",
-               "ddtree_tree_temperature", "ddtree_calibrate_trees")
+               "ddtree_calibrate_trees")
+# options that no longer exist, with what replaced them (refused with that message)
+REMOVED_KEYS = {
+    "ddtree_tree_temperature": (
+        "trees are built by the acceptance the engine observes (ddtree_calibrate_trees, on by "
+        "default), which learns what a hand-set temperature guessed at; remove the option"),
+}
 POLICIES = ("auto", "static")
 DEFAULT_POLICY = "auto"  # tree mode; sampled chains (hsd_chain) draft a fixed length: "static"
 MODES = ("tree", "hsd_chain")
@@ -69,7 +66,6 @@ class DDTreeOptions:
     depth: int | None = None  # L; None = drafter block_size - 1 (filled in at engine start)
     mode: str = "tree"  # "tree" | "hsd_chain"
     budget_policy: str | tuple[tuple[int, int], ...] = DEFAULT_POLICY  # see the module doc
-    tree_temperature: float = 1.0  # trees from softmax(drafter logits / this), see above
     calibrate_trees: bool = True  # trees by observed acceptance (tree mode), see above
     runner: str = "v1"  # vLLM's model runner the engine uses: "v1" or "v2" (choose_runner)
 
@@ -147,6 +143,9 @@ def split_speculative_config(spec: dict, pipeline_parallel_size: int = 1,
     "num_speculative_tokens": 64}, DDTreeOptions(budget=64, depth=7))``.
     """
     spec = dict(spec)
+    for key, why in REMOVED_KEYS.items():
+        if key in spec:
+            raise DDTreeConfigError(f"ddtree: {key} was removed: {why}")
     unknown = sorted(k for k in spec if k.startswith("ddtree") and k not in OPTION_KEYS)
     if unknown:
         raise DDTreeConfigError(
@@ -196,18 +195,6 @@ def split_speculative_config(spec: dict, pipeline_parallel_size: int = 1,
             f"ddtree: ddtree_budget_policy={_show(policy)} needs ddtree_mode 'tree'; sampled "
             "chains (hsd_chain) draft a fixed length: use ddtree_budget_policy 'static'"
         )
-    temperature = spec.pop("ddtree_tree_temperature", 1.0)
-    if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
-            or not 0.05 <= temperature <= 20.0):
-        raise DDTreeConfigError(
-            f"ddtree: ddtree_tree_temperature={temperature!r} must be a number in [0.05, 20] "
-            "(1.0, the default, builds DDTree's tree; below 1 favours deeper paths)"
-        )
-    if mode == "hsd_chain" and temperature != 1.0:
-        raise DDTreeConfigError(
-            f"ddtree: ddtree_tree_temperature={temperature!r} needs ddtree_mode 'tree'; sampled "
-            "chains (hsd_chain) draft at each request's own temperature: leave it out"
-        )
     calibrate = spec.pop("ddtree_calibrate_trees", None)
     if calibrate is not None and not isinstance(calibrate, bool):
         raise DDTreeConfigError(
@@ -215,7 +202,6 @@ def split_speculative_config(spec: dict, pipeline_parallel_size: int = 1,
             "out: true)")
     spec["method"] = "dflash"
     return spec, DDTreeOptions(budget=budget, depth=depth, mode=mode, budget_policy=policy,
-                               tree_temperature=float(temperature),
                                calibrate_trees=mode == "tree" and calibrate is not False,
                                runner=runner)
 

@@ -339,7 +339,6 @@ class DDTreeProposer(DFlashProposer):
         else:
             self._pending_tree = build_tree(
                 logits, self._pending_budget, max_budget=self.ddtree_state.budget,
-                temperature=self.ddtree_state.options.tree_temperature,
                 calibration=self._pending_calibration)
             self._pending_probs = None
         return self._placeholder_ids[: num_reqs * depth], None

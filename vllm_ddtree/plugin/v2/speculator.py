@@ -92,6 +92,6 @@ class DDTreeSpeculator(DFlashSpeculator):
             calibration = step.calibration.log_factors(
                 step.trees.sampled[step.trees.targets(slots)])
         tree = build_tree(logits.view(num_reqs, depth, -1), self.options.budget,
-                          temperature=self.options.tree_temperature, calibration=calibration)
+                          calibration=calibration)
         if step is not None:
             self.tree_tokens[:num_reqs] = step.trees.store(slots, tree)
