@@ -15,9 +15,11 @@ Vocabulary (used everywhere in this project):
 A DFlash drafter gives one distribution q_d per depth d, independent of the parent, so the
 probability of a prefix y_1..y_d is prod_i q_i(y_i) and the tree with at most B nodes that
 maximises the expected accepted length is the set of the B most probable prefixes (DDTree,
-Prop. 2). :func:`build_tree` computes that set for a whole batch on the logits' device with
-fixed shapes and no host synchronisation; :func:`reference_build_tree` is the plain best-first
-heap of Algorithm 1, used as the oracle in tests and as the baseline in benchmarks.
+Prop. 2). With a calibration (``vllm_ddtree.calibration``) each depth's probabilities are first
+replaced by how often the target takes a token of that rank, and the tree is the top-B prefixes
+by that estimate. :func:`build_tree` computes that set for a whole batch on the logits' device
+with fixed shapes and no host synchronisation; :func:`reference_build_tree` is the plain
+best-first heap of Algorithm 1, used as the oracle in tests and as the baseline in benchmarks.
 
 Order and tie-break (both implementations): nodes are sorted by the key
 ``(-score, depth, index of the parent, rank of the token at its depth)``, where the rank orders a
@@ -323,9 +325,9 @@ def build_tree(
             drafter's own, DDTree's tree; the transformers engine's ``tree_temperature``, for
             acceptance studies: the plugin calibrates its trees instead, ``calibration``).
         calibration: ``[batch, L, CELLS]`` float32 log-factors of each request's calibration
-            (``vllm_ddtree.calibration``), or None: the tree is the top-B prefixes by
-            calibrated acceptance, its scores the log of that, and its :attr:`DraftTree.tops`
-            what the calibration learns from once the tree is verified.
+            (``vllm_ddtree.calibration``): the tree is then the top-B prefixes by calibrated
+            acceptance, its scores the log of that, and its :attr:`DraftTree.tops` what the
+            calibration learns from once the tree is verified. None: DDTree's tree.
 
     Returns:
         A :class:`DraftTree` on ``draft_logits.device`` with ``[batch, max_budget]`` fields.

@@ -250,7 +250,7 @@ class BudgetController:
         # the scheduler's mean grammar seconds per structured-output node (grammar.GrammarTime,
         # with each step's schedule): auto counts it in the step time of the trees it sizes
         self.grammar_node_s = 0.0
-        self._greedy_masks: dict[int, torch.Tensor] = {}  # _all_greedy
+        self._greedy_masks: dict[int, torch.Tensor] = {}  # all_greedy
         self.stats = PolicyStats()
         self._totals = PolicyStats()
         self._logged_at = time.monotonic()
@@ -287,9 +287,10 @@ class BudgetController:
     def _bucket(num_reqs: int) -> int:
         return max(num_reqs, 1).bit_length()
 
-    def _all_greedy(self, num_reqs: int) -> torch.Tensor:
+    def all_greedy(self, num_reqs: int) -> torch.Tensor:
         """``[num_reqs]`` bool, all False (no request samples): one tensor per batch size,
-        made once (auto reads it twice a step when every request is greedy; read only)."""
+        made once (auto and the trees' calibration read it when every request is greedy; read
+        only)."""
         mask = self._greedy_masks.get(num_reqs)
         if mask is None:
             mask = self._greedy_masks[num_reqs] = torch.zeros(num_reqs, dtype=torch.bool,
@@ -341,7 +342,7 @@ class BudgetController:
         if self._explores(num_reqs, bucket, complete, structured):
             return self.max_budget  # a full-width tree: every score bin gets calibrated
         if sampled is None:
-            sampled = self._all_greedy(num_reqs)
+            sampled = self.all_greedy(num_reqs)
         # measured rates of both kinds here decide whether to draft; the model sizes the trees
         versus_plain = not self._measured_both(bucket)
         node_cost = limit = None
@@ -511,7 +512,7 @@ class BudgetController:
         if self.calibration is None:
             return
         if sampled is None:
-            sampled = self._all_greedy(matched.shape[0])
+            sampled = self.all_greedy(matched.shape[0])
         self.calibration.observe(tree.scores, tree.depths, accepted_nodes, matched, sampled)
 
     def tokens_emitted(self, num_tokens: float) -> None:

@@ -274,6 +274,15 @@ class ProposalStore:
         buf = self._buffers.get(name)
         return None if buf is None else buf[slots.clamp(min=0)]
 
+    def get_all(self, names: tuple[str, ...], slots: torch.Tensor
+                ) -> list[torch.Tensor] | None:
+        """:meth:`get` of several buffers with one clamp (None when one of them is missing)."""
+        bufs = [self._buffers.get(name) for name in names]
+        if any(buf is None for buf in bufs):
+            return None
+        safe = slots.clamp(min=0)
+        return [buf[safe] for buf in bufs]
+
     def set_rows(self, name: str, slots: torch.Tensor, values: torch.Tensor) -> None:
         self._buffers[name].index_copy_(0, slots, values)
 
@@ -418,7 +427,7 @@ class TreeState:
         if self.calibration is None:
             return None
         if sampled is None:
-            sampled = torch.zeros(num_reqs, dtype=torch.bool, device=self.device)
+            sampled = self.budgets.all_greedy(num_reqs)
         return self.calibration.log_factors(sampled)
 
     def observe_calibration(self, sampled: torch.Tensor | None) -> None:
@@ -429,7 +438,7 @@ class TreeState:
             return
         counted = verify.matched & (verify.tree.num_nodes > 0)
         if sampled is None:
-            sampled = torch.zeros_like(counted)
+            sampled = self.budgets.all_greedy(counted.shape[0])
         self.calibration.observe(verify.tree.tops, verdict.output_tokens, verdict.num_accepted,
                                  counted, sampled)
 
@@ -760,10 +769,10 @@ class TreeState:
         if token_rows is not None and offsets is not None:  # [R, B + 1], root column 0
             table = torch.nn.functional.pad(offsets, (1, 0)).view(-1)
             position_shift = table[uploaded[per_request.numel():]]
-        top_ids = store.get("top_ids", slots) if self.calibration is not None else None
-        if top_ids is not None:  # what the calibration learns from (rows of matched trees)
-            tree = dataclasses.replace(tree, tops=DraftTops(top_ids,
-                                                            store.get("top_probs", slots)))
+        tops = (None if self.calibration is None
+                else store.get_all(("top_ids", "top_probs"), slots))
+        if tops is not None:  # what the calibration learns from (rows of matched trees)
+            tree = dataclasses.replace(tree, tops=DraftTops(*tops))
         self.last_num_draft = list(num_draft)
         self.verify = VerifyBatch(tree=tree, num_draft=list(num_draft),
                                   query_start=list(query_start), num_tokens=num_tokens,
