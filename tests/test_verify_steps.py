@@ -51,8 +51,9 @@ def torch_path(monkeypatch):
 
 
 def on_device(tree):
-    return type(tree)(**{name: (getattr(tree, name).to(DEVICE) if name != "max_depth"
-                                else tree.max_depth) for name in tree.__dataclass_fields__})
+    return type(tree)(**{name: (getattr(tree, name).to(DEVICE)
+                                if name not in ("max_depth", "tops") else getattr(tree, name))
+                         for name in tree.__dataclass_fields__})
 
 
 def triton_verdict(tree, sampled, out_width=0) -> TreeVerdict:
