@@ -391,8 +391,10 @@ def build_tree(
                                  lambda values, ids, fields, budgets: build_tree_triton(
                                      values, ids, budgets, num_slots))
 
-    top_values, top_ids = _ranked_log_probs(draft_logits, k, temperature)  # [batch, L, k] each
-    top_values, top_ids, tops = _calibrated(top_values, top_ids, calibration)
+    # [batch, L, k] each, ranked (calibrated lists come ranked by their calibrated values)
+    top_values, top_ids, tops = (
+        (*_ranked_log_probs(draft_logits, k, temperature), None) if calibration is None
+        else calibrate_lists(*_top_log_probs(draft_logits, k, temperature), calibration))
     pair_i, pair_j = _candidate_pairs(num_slots, k, device)  # [P] each
     entries = _entries(num_slots, k, depth, device)
 

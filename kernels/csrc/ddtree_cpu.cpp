@@ -802,16 +802,14 @@ Tensor tree_log_factors(const Tensor& observed, const Tensor& predicted, double 
   const double* pr = predicted.data_ptr<double>();
   const bool* smp = sampled.data_ptr<bool>();
   float* o = out.data_ptr<float>();
-  float kinds[2][64 * 8];  // (both kinds' rows, computed once; L * C <= 512 checked below)
-  TORCH_CHECK(L * C <= 512, "tree_log_factors: L * cells must be <= 512");
-  for (int64_t k = 0; k < 2; ++k) {
-    for (int64_t i = 0; i < L * C; ++i) {
-      const int64_t j = k * L * C + i;
-      kinds[k][i] = static_cast<float>(std::log((ob[j] + prior) / (pr[j] + prior)));
-    }
+  // both kinds' rows, computed once: kinds[k * L * C ...] is kind k's
+  std::vector<float> kinds(2 * L * C);
+  for (int64_t j = 0; j < 2 * L * C; ++j) {
+    kinds[j] = static_cast<float>(std::log((ob[j] + prior) / (pr[j] + prior)));
   }
-  for (int64_t r = 0; r < R; ++r) std::memcpy(o + r * L * C, kinds[smp[r] ? 1 : 0],
-                                               sizeof(float) * L * C);
+  for (int64_t r = 0; r < R; ++r) {
+    std::memcpy(o + r * L * C, kinds.data() + (smp[r] ? L * C : 0), sizeof(float) * L * C);
+  }
   return out;
 }
 
@@ -845,7 +843,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> calibrate_lists(const Tensor& values,
   int64_t* ti = top_ids.data_ptr<int64_t>();
   float* tp = top_probs.data_ptr<float>();
   at::parallel_for(0, R * L, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> order(K);
+    std::vector<int64_t> order(K), again(K);
     std::vector<float> cal(K);
     for (int64_t row = begin; row < end; ++row) {
       const float* v = val + row * K;
@@ -871,7 +869,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> calibrate_lists(const Tensor& values,
         cal[j] = best;
       }
       // ranked again by (value desc, id asc): ties (a cap, a held value) go by token id
-      std::vector<int64_t> again(K);
       for (int64_t j = 0; j < K; ++j) again[j] = j;
       std::sort(again.begin(), again.end(), [&](int64_t a, int64_t b) {
         if (cal[a] != cal[b]) return cal[a] > cal[b];
