@@ -158,6 +158,9 @@ def run_jobs(llm, max_tokens: int, short: bool = False, log=lambda line: None,
     accepted = sum(m.value for m in metrics
                    if m.name == "vllm:spec_decode_num_accepted_tokens")
     result["mean_acceptance_length"] = 1 + accepted / drafts if drafts else 1.0
+    draft_tokens = sum(m.value for m in metrics if m.name == "vllm:spec_decode_num_draft_tokens")
+    result["num_drafts"] = drafts  # request-steps that verified drafts
+    result["draft_tokens_per_draft"] = draft_tokens / drafts if drafts else 0.0
     config = llm.llm_engine.vllm_config
     result["model_runner"] = "v2" if config.use_v2_model_runner else "v1"
     result["async_scheduling"] = bool(config.scheduler_config.async_scheduling)

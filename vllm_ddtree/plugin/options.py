@@ -17,7 +17,8 @@ the engine measures at start-up (see ``vllm_ddtree/budget.py``), and pauses the 
 drafting does not pay; ``"static"`` gives every request B nodes in every step (the default,
 and the only policy, of ``"hsd_chain"``); a list of ``[max_running_requests, budget]`` rows
 gives every request the budget of the first row whose bound covers the step's number of
-requests (the last row beyond its bound).
+requests (the last row beyond its bound); on Model Runner V2 that is vLLM's own dynamic
+speculation length (:func:`dynamic_sd_schedule`).
 
 ``"hsd_chain"`` drafts a chain of ``num_speculative_tokens`` (<= L) tokens SAMPLED from the
 drafter's distributions at each request's temperature and verifies it with the lossless HSD
@@ -90,25 +91,45 @@ def ddtree_options(vllm_config) -> DDTreeOptions | None:
 V1_ONLY = "runs on vLLM's V1 model runner only so far"
 
 
-def v1_only(mode: str, policy, pipeline_parallel_size: int) -> str | None:
+def v1_only(mode: str, policy, pipeline_parallel_size: int,
+            data_parallel_size: int = 1) -> str | None:
     """What of a ddtree configuration ddtree serves on vLLM's V1 model runner only (None: it
-    runs on either). ``policy``: the budget policy the user gave (None: the default)."""
+    runs on either). ``policy``: the budget policy the user gave (None: the default). A table
+    runs on V2 as vLLM's dynamic speculation length (:func:`dynamic_sd_schedule`), which vLLM
+    turns off under data parallelism (its ranks could pick different lengths)."""
     if mode == "hsd_chain":
         return "ddtree_mode 'hsd_chain'"
     if pipeline_parallel_size > 1:
         return "pipeline parallelism"
-    if policy is not None and policy != "static":
-        return f"ddtree_budget_policy {_show(policy)}"
+    if policy == "auto":
+        return "ddtree_budget_policy 'auto'"
+    if policy is not None and not isinstance(policy, str) and data_parallel_size > 1:
+        return "a ddtree_budget_policy table with data parallelism"
     return None
 
 
+def dynamic_sd_schedule(table) -> list[list[int]]:
+    """A budget table as vLLM's ``num_speculative_tokens_per_batch_size``: inclusive ranges of
+    the step's number of requests, each with its number of drafts (vLLM carries the last one
+    past the last range, as the table does). Model Runner V2's scheduler then schedules that
+    many drafts per request; a tree's first n nodes are the best n-node tree.
+
+    Example: ``((4, 64), (16, 16), (256, 0))`` -> ``[[1, 4, 64], [5, 16, 16], [17, 256, 0]]``.
+    """
+    ranges, start = [], 1
+    for bound, budget in table:
+        ranges.append([start, bound, budget])
+        start = bound + 1
+    return ranges
+
+
 def choose_runner(mode: str, policy, pipeline_parallel_size: int, use_v2_env: bool | None,
-                  has_triton: bool) -> str:
+                  has_triton: bool, data_parallel_size: int = 1) -> str:
     """The model runner a ddtree engine will use: "v1" or "v2".
 
     vLLM's own rule (``VllmConfig.use_v2_model_runner``): ``VLLM_USE_V2_MODEL_RUNNER`` when set
     (``use_v2_env``), else V2 where Triton is usable. ddtree on V2 serves trees with the static
-    budget policy, without pipeline parallelism so far (:func:`v1_only`); an engine that asks
+    policy or a table, without pipeline parallelism so far (:func:`v1_only`); an engine that asks
     for more runs V1 (the plugin tells vLLM so: ``patches._wrap_v2_unsupported``), and one that
     forces V2 with it is refused. ``policy``: the budget policy the user gave (None: the
     default).
@@ -117,7 +138,7 @@ def choose_runner(mode: str, policy, pipeline_parallel_size: int, use_v2_env: bo
     """
     if use_v2_env is False or (use_v2_env is None and not has_triton):
         return "v1"
-    reason = v1_only(mode, policy, pipeline_parallel_size)
+    reason = v1_only(mode, policy, pipeline_parallel_size, data_parallel_size)
     if reason is None:
         return "v2"
     if use_v2_env:
@@ -128,12 +149,14 @@ def choose_runner(mode: str, policy, pipeline_parallel_size: int, use_v2_env: bo
 
 
 def split_speculative_config(spec: dict, pipeline_parallel_size: int = 1,
-                             use_v2_env: bool | None = False, has_triton: bool = False
-                             ) -> tuple[dict, DDTreeOptions]:
+                             use_v2_env: bool | None = False, has_triton: bool = False,
+                             data_parallel_size: int = 1) -> tuple[dict, DDTreeOptions]:
     """Split a user's ``method: "ddtree"`` config into vLLM's dflash config and our options.
 
     The runner (:func:`choose_runner`; the defaults here mean V1) sets the default budget
-    policy: "auto" on V1, "static" on V2 (the only policy there so far). Under pipeline
+    policy: "auto" on V1, "static" on V2 ("auto" runs on V1 only so far). On V2 a table
+    becomes vLLM's ``num_speculative_tokens_per_batch_size`` (:func:`dynamic_sd_schedule`),
+    which a ddtree config does not take directly (one way to give it). Under pipeline
     parallelism the budget policy defaults to "static" and "auto" is refused: auto's cost
     model times whole forwards of the target on one worker, which a pipeline stage cannot run
     alone.
@@ -152,6 +175,11 @@ def split_speculative_config(spec: dict, pipeline_parallel_size: int = 1,
             f"ddtree: unknown option(s) {unknown} in --speculative-config; "
             f"the ddtree options are {list(OPTION_KEYS)}"
         )
+    if "num_speculative_tokens_per_batch_size" in spec:
+        raise DDTreeConfigError(
+            "ddtree: num_speculative_tokens_per_batch_size is vLLM's dynamic speculation "
+            "length for chains; for trees give ddtree_budget_policy a table of "
+            "[max_running_requests, budget] rows (e.g. [[4, 64], [16, 16], [256, 0]])")
     if not spec.get("model"):
         raise DDTreeConfigError(
             'ddtree: --speculative-config needs "model": the DFlash drafter '
@@ -180,7 +208,8 @@ def split_speculative_config(spec: dict, pipeline_parallel_size: int = 1,
     given = spec.pop("ddtree_budget_policy", None)
     if given is not None:
         given = _budget_policy(given, budget)
-    runner = choose_runner(mode, given, pipeline_parallel_size, use_v2_env, has_triton)
+    runner = choose_runner(mode, given, pipeline_parallel_size, use_v2_env, has_triton,
+                           data_parallel_size)
     default = ("static" if mode == "hsd_chain" or pipeline_parallel_size > 1 or runner == "v2"
                else DEFAULT_POLICY)
     policy = default if given is None else given
@@ -201,6 +230,8 @@ def split_speculative_config(spec: dict, pipeline_parallel_size: int = 1,
             f"ddtree: ddtree_calibrate_trees={calibrate!r} must be true or false (or leave it "
             "out: true)")
     spec["method"] = "dflash"
+    if runner == "v2" and not isinstance(policy, str):
+        spec["num_speculative_tokens_per_batch_size"] = dynamic_sd_schedule(policy)
     return spec, DDTreeOptions(budget=budget, depth=depth, mode=mode, budget_policy=policy,
                                calibrate_trees=mode == "tree" and calibrate is not False,
                                runner=runner)

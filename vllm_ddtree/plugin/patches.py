@@ -196,14 +196,15 @@ def _wrap_create_speculative_config(original):
 
         dflash_spec, options = split_speculative_config(
             spec, target_parallel_config.pipeline_parallel_size,
-            envs.VLLM_USE_V2_MODEL_RUNNER, HAS_TRITON)
+            envs.VLLM_USE_V2_MODEL_RUNNER, HAS_TRITON,
+            target_parallel_config.data_parallel_size)
         if options.runner == "v1":
             # vLLM's V1 runner: ddtree's adapter there does not support async scheduling
             # (vLLM turns it on by default for dflash); Model Runner V2's does
             if self.async_scheduling:
                 raise DDTreeConfigError(
                     "ddtree: async scheduling needs Model Runner V2 (vLLM's default where "
-                    "Triton runs, with the static budget policy and no pipeline "
+                    "Triton runs, with the static budget policy or a table and no pipeline "
                     "parallelism); on the V1 runner drop --async-scheduling")
             self.async_scheduling = False
         _select_attention_backend(self)
@@ -376,7 +377,8 @@ def _wrap_v2_unsupported(original):
         if options is not None and options.runner == "v1":
             # what ddtree serves on the V1 runner only (options.v1_only); vLLM then picks V1
             reason = v1_only(options.mode, options.budget_policy,
-                             self.parallel_config.pipeline_parallel_size)
+                             self.parallel_config.pipeline_parallel_size,
+                             self.parallel_config.data_parallel_size)
             if reason is not None:
                 features = [*features, f"ddtree with {reason}"]
         return features
@@ -472,8 +474,10 @@ def _wrap_scheduler_init(original):
         # 1024) that are not a proposal: they were verified as a chain, and a seeded request
         # drew B + 1 samples instead of 1. A lookup that gives B at every batch size turns
         # the padding off and changes nothing else (schedule() reads it there and for the
-        # step's draft length, which it keeps at B; checked at install).
-        self.dynamic_sd_lookup = [self.num_spec_tokens] * (self.max_num_running_reqs + 1)
+        # step's draft length, which it keeps at B; checked at install). On Model Runner V2
+        # a budget table is such a lookup already (options.dynamic_sd_schedule): kept.
+        if self.dynamic_sd_lookup is None:
+            self.dynamic_sd_lookup = [self.num_spec_tokens] * (self.max_num_running_reqs + 1)
 
     return __init__
 

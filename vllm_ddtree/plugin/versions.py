@@ -383,6 +383,15 @@ REQUIREMENTS += (
                 contains=("sampler_output = self.rejection_sampler( logits, input_batch,",
                           "self.speculator.draft_logits, invalid_drafts, )"),
                 why="the verifier's call; steps without drafts use vLLM's sampler"),
+    # a budget table is vLLM's dynamic speculation length (options.dynamic_sd_schedule)
+    Requirement("vllm.v1.core.sched.scheduler", "Scheduler.__init__",
+                contains=("self.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup( "
+                          "speculative_config.num_speculative_tokens_per_batch_size,",)),
+    Requirement(_V2_RUNNER, "GPUModelRunner.sample_tokens",
+                contains=("num_spec_tokens = self.execute_model_state."
+                          "num_spec_tokens_to_schedule",
+                          "draft_tokens[:, num_spec_tokens:] = -1"),
+                why="the step's table budget cuts the drafted trees to their first nodes"),
     Requirement(f"{_V2}.input_batch", "InputBatch",
                 contains=("num_draft_tokens_per_req: np.ndarray | None",
                           "cu_num_logits: torch.Tensor", "logits_indices: torch.Tensor",
