@@ -45,7 +45,8 @@ def jobs(max_tokens: int, short: bool = False, names: list[str] | None = None):
     regular expression; ``alone`` and ``pairs``: the seeded prompts again, each alone, then in
     other company (the same seeds must give the same text); ``staggered`` (only where named):
     every prompt at T = 0, one request added every third engine step, so requests join running
-    ones. ``short``: without the reversed greedy pass and the runs alone (a second policy on
+    ones; ``penalties`` (only where named): every prompt with presence, frequency and
+    repetition penalties and logprobs, even ones greedy, odd ones seeded. ``short``: without the reversed greedy pass and the runs alone (a second policy on
     the same layout), with the features and structured jobs. ``names``: only these jobs
     (``alone`` for the runs alone), in the order above."""
     common = dict(max_tokens=max_tokens, ignore_eos=True)
@@ -61,6 +62,9 @@ def jobs(max_tokens: int, short: bool = False, names: list[str] | None = None):
 
     def features(i):  # request features on tree rows (features.py), greedy, 64 tokens
         return dict(FEATURES[i % len(FEATURES)], max_tokens=64, temperature=0.0)
+
+    def penalties(i):  # penalties counting each row's path: even prompts greedy, odd seeded
+        return dict(mixed(i), **FEATURES[0])
 
     def structured(i):  # a grammar along the trees (grammar.py), greedy
         from vllm.sampling_params import StructuredOutputsParams
@@ -78,7 +82,7 @@ def jobs(max_tokens: int, short: bool = False, names: list[str] | None = None):
               ("greedy_reversed", everyone[::-1], greedy), ("mixed", everyone, mixed),
               *((f"alone_{i}", [i], seeded) for i in odd),
               ("pairs", [odd[1], 0, odd[0], 2, odd[3], odd[2]], mixed),
-              ("staggered", everyone, greedy)]
+              ("staggered", everyone, greedy), ("penalties", everyone, penalties)]
     for job in listed:
         if job[0] in names or (job[0].startswith("alone_") and "alone" in names):
             yield job

@@ -242,6 +242,22 @@ def test_first_nodes_is_the_subtree_of_the_first_nodes():
         tree.first_nodes(41)
 
 
+def test_path_tokens_are_each_nodes_path_backwards():
+    """``DraftTree.path_tokens``: for every (request, node) the tokens of the path root -> node
+    (``_paths``, by parent hops on the host), newest first, -1 past the root; root rows and
+    padding nodes: all -1 (a padding node's token is -1 and its parent the root)."""
+    gen = torch.Generator().manual_seed(11)
+    tree = build_tree(torch.randn(3, 4, 6, generator=gen) * 2,
+                      torch.tensor([40, 9, 0]), max_budget=40)  # the last: padding only
+    requests, nodes = zip(*itertools.product(range(3), range(-1, 40)))
+    got = tree.path_tokens(torch.tensor(requests), torch.tensor(nodes))
+    assert got.shape == (len(nodes), tree.max_depth)
+    for row, (r, k) in enumerate(zip(requests, nodes)):
+        path = _paths(tree, r)[k] if 0 <= k < int(tree.num_nodes[r]) else ()
+        want = list(reversed(path)) + [-1] * (tree.max_depth - len(path))
+        assert got[row].tolist() == want, (r, k)
+
+
 @pytest.mark.parametrize("depth", [1, 2, 3])
 @pytest.mark.parametrize("vocab", [3, 40])
 def test_shallow_trees_and_small_vocabularies(depth, vocab):

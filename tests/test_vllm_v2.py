@@ -50,7 +50,7 @@ def run_v2(tmp_path, spec, jobs: str, tp: int = 1, sync: bool = False, num_block
 def plain_v2(tmp_path_factory):
     """Plain decoding on V2: the oracle of every job."""
     return run_v2(tmp_path_factory.mktemp("plain_v2"), None,
-                  "greedy,features,structured,mixed,pairs")
+                  "greedy,features,structured,mixed,pairs,penalties")
 
 
 def check_v2(result: dict, plain: dict, compacts: bool = True, min_tau: float = 1.3) -> None:
@@ -141,6 +141,15 @@ def test_budget_table_fixed(tmp_path, plain_v2, table, per_draft):
     assert (result["num_drafts"] > 0) == (per_draft > 0)
 
 
+def test_penalties_on_tree_rows(tmp_path, plain_v2):
+    """Presence, frequency and repetition penalties on V2 trees (``verifier.TreePenalties``:
+    each tree row counts its own path, with vLLM's own kernel), B = 8, async scheduling:
+    every prompt penalised, even ones greedy, odd ones seeded at T = 0.8, with logprobs;
+    every token and logprob is V2 plain decoding's, and the trees are accepted (tau > 1.3: a
+    request without nodes would give 1)."""
+    check_v2(run_v2(tmp_path, ddtree(8), "penalties"), plain_v2)
+
+
 def test_preemption(tmp_path, plain_v2):
     """A K/V cache of 10 blocks of 32 tokens for 8 requests: requests are preempted and
     resumed (a resumed request starts from an empty tree)."""
@@ -186,13 +195,13 @@ def test_data_parallel_server(tmp_path, plain_v2):
 
 def test_the_tree_step_never_waits_for_the_device(tmp_path):
     """The V2 tree step's code (tests/parallel_run.py V2_STEP_FILES: verify trees, depth
-    positions, sampling, walk, moves, compaction, the drafter's gather and trees) on its torch
-    path (what CUDA runs; VLLM_DDTREE_NATIVE=0 here) under tests/sync_checker.py's NoHostSync:
-    no scalar read, no data-dependent shape, no pageable upload, in any step of greedy,
-    and seeded jobs (synchronous scheduling: the checker's dispatch mode is entered in
+    positions, sampling, the tree rows' penalties, walk, moves, compaction, the drafter's
+    gather and trees) on its torch path (what CUDA runs; VLLM_DDTREE_NATIVE=0 here) under
+    tests/sync_checker.py's NoHostSync: no scalar read, no data-dependent shape, no pageable
+    upload, in any step of greedy, seeded and penalised jobs (synchronous scheduling: the checker's dispatch mode is entered in
     the thread that steps the runner)."""
     result = run_engine(tmp_path, 1, ddtree(8), max_tokens=24, VLLM_DDTREE_NATIVE="0",
-                        extra_args=("--v2", "--jobs", "greedy,mixed",
+                        extra_args=("--v2", "--jobs", "greedy,mixed,penalties",
                                     "--check-host-sync"))
     assert result["host_sync_checked_ops"] > 10_000
     assert min(result["moved_slots_per_rank"]) > 0

@@ -129,6 +129,26 @@ class DraftTree:
         nodes = self.token_ids.clamp(min=0)
         return torch.cat([root_token_ids.to(nodes.dtype)[:, None], nodes], dim=1)
 
+    def path_tokens(self, request: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
+        """``[c, max_depth]`` int64: the tokens on the path root -> ``node[i]`` of tree
+        ``request[i]`` (the root excluded), the node's first, then its parent's, ..., -1 past
+        the root; ``node`` -1 (a root row): all -1. What a verify row's history adds to the
+        request's output. Device ops of fixed shape.
+        Example: nodes (token, parent) [(5, -1), (7, -1), (9, 0)], node 2 -> [9, 5, -1, ...].
+        """
+        width = self.max_budget
+        if width == 0 or self.max_depth == 0:
+            return node.new_full((node.shape[0], self.max_depth), -1)
+        tokens, parents = self.token_ids.reshape(-1), self.parents.reshape(-1)
+        base = request * width
+        columns = []
+        for _ in range(self.max_depth):
+            on_path = node >= 0
+            at = base + node.clamp(min=0)
+            columns.append(torch.where(on_path, tokens[at], -1))
+            node = torch.where(on_path, parents[at], -1)
+        return torch.stack(columns, dim=1)
+
     def dense_mask(self) -> torch.Tensor:
         """``[batch, B + 1, B + 1]`` bool: ``[r, i, j]`` is True iff j is i or its ancestor."""
         return unpack_mask(self.ancestor_mask, self.max_budget + 1)

@@ -39,7 +39,7 @@ import torch
 
 from vllm_ddtree.plugin.state import to_device
 from vllm_ddtree.sampling import cached_arange
-from vllm_ddtree.tree import DraftTree, unpack_mask
+from vllm_ddtree.tree import DraftTree
 
 NEG_INF = float("-inf")
 NO_TOKEN = -2  # a history slot before the output's first token: matches no bad word token
@@ -254,14 +254,9 @@ class TreeFeatures:
 
         prompt_mask, counts, presence, frequency, repetition = self.penalties
         vocab = logits.shape[1]
-        row_counts = counts[request]  # [c, V + 1]: the output's tokens
-        width = self.tree.token_ids.shape[1]
-        if width:  # plus the path's: the nodes on the row's ancestor row, the root excluded
-            path = unpack_mask(self.tree.ancestor_mask[request, (self.rows.node[row_ids] + 1)],
-                               width + 1)[:, 1:]
-            tokens = self.tree.token_ids[request]
-            row_counts.scatter_add_(1, torch.where(tokens >= 0, tokens, vocab),
-                                    (path & (tokens >= 0)).long())
+        row_counts = counts[request]  # [c, V + 1]: the output's tokens, plus the path's
+        path = self.tree.path_tokens(request, self.rows.node[row_ids])
+        row_counts.scatter_add_(1, torch.where(path >= 0, path, vocab), (path >= 0).long())
         row_counts = row_counts[:, :vocab]
         output_mask = row_counts > 0
         apply_repetition_penalties(logits, prompt_mask[request], output_mask, repetition[request])

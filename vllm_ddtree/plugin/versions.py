@@ -394,7 +394,8 @@ REQUIREMENTS += (
                 why="the step's table budget cuts the drafted trees to their first nodes"),
     Requirement(f"{_V2}.input_batch", "InputBatch",
                 contains=("num_draft_tokens_per_req: np.ndarray | None",
-                          "cu_num_logits: torch.Tensor", "logits_indices: torch.Tensor",
+                          "cu_num_logits: torch.Tensor", "cu_num_logits_np: np.ndarray",
+                          "logits_indices: torch.Tensor",
                           "query_start_loc_np: np.ndarray", "num_tokens_after_padding: int",
                           "seq_lens_cpu_upper_bound: torch.Tensor")),
     Requirement(f"{_V2}.input_batch", "get_num_sampled_and_rejected",
@@ -457,6 +458,25 @@ REQUIREMENTS += (
                           "self.logprob_token_ids_state = LogprobTokenIdsState(",
                           "self.logits_processors: list[LogitsProcessor] = [ logit_bias_state, "
                           "self.penalties_state, bad_words_state, *custom_logits_processors, ]")),
+    # verifier.TreePenalties: vLLM's kernel on each tree row with its path's counts
+    Requirement(f"{_V2}.sample.penalties", "PenaltiesState.__init__",
+                contains=("self.repetition_penalty = UvaBackedTensor(max_num_reqs, "
+                          "dtype=torch.float32)",
+                          "self.frequency_penalty = UvaBackedTensor(max_num_reqs, "
+                          "dtype=torch.float32)",
+                          "self.presence_penalty = UvaBackedTensor(max_num_reqs, "
+                          "dtype=torch.float32)",
+                          "self.use_penalty = np.zeros(max_num_reqs, dtype=bool)",
+                          "self.prompt_bin_mask = torch.zeros(",
+                          "self.output_bin_counts = torch.zeros(")),
+    Requirement(f"{_V2}.sample.penalties", "PenaltiesState.apply", ("logits", "ctx")),
+    Requirement(f"{_V2}.sample.penalties", "apply_penalties",
+                ("logits", "expanded_idx_mapping", "token_ids", "expanded_local_pos",
+                 "repetition_penalty", "frequency_penalty", "presence_penalty",
+                 "prompt_bin_mask", "output_bin_counts")),
+    Requirement(f"{_V2}.sample.penalties", "_penalties_kernel",
+                contains=("for prev_pos in tl.range(pos):",),
+                why="a row at local position 0 counts no draft: its counts are the table's"),
     Requirement(f"{_V2}.sample.states", "SamplingStates.__init__",
                 contains=("self.temperature = UvaBackedTensor(max_num_reqs, "
                           "dtype=torch.float32)",)),

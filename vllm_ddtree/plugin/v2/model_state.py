@@ -53,7 +53,7 @@ class TreeStep:
         # [max_num_tokens] the target's positions: chain positions, depth-shifted on tree rows
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
         self.verify: VerifyBatch | None = None  # the step's trees (attention reads them)
-        self._input_batch = None  # the batch self.verify belongs to
+        self.input_batch = None  # the batch self.verify belongs to
         self.gather_index: torch.Tensor | None = None  # [T] for the drafter (accepted_moves)
         self.compactor = None  # built with the K/V caches (TreeModelState.initialize_kv_cache)
         self.drafter_layers: set[str] = set()  # the speculator's (set_attn)
@@ -68,7 +68,7 @@ class TreeStep:
         """Step 1 of the module doc for a real batch: its verify trees and depth positions."""
         num_tokens = input_batch.num_tokens_after_padding
         self.positions[:num_tokens].copy_(input_batch.positions[:num_tokens])
-        self.verify, self._input_batch, self.gather_index = None, input_batch, None
+        self.verify, self.input_batch, self.gather_index = None, input_batch, None
         counts = input_batch.num_draft_tokens_per_req  # host, [R]: the scheduled drafts
         if counts is None or input_batch.num_draft_tokens == 0:
             return  # nothing to verify: chain positions, V2's own sampler
@@ -99,13 +99,13 @@ class TreeStep:
     def verify_of(self, input_batch) -> VerifyBatch | None:
         """The trees of ``input_batch`` (None for a batch :meth:`begin` did not see: dummy
         runs, CUDA-graph capture)."""
-        return self.verify if input_batch is self._input_batch else None
+        return self.verify if input_batch is self.input_batch else None
 
     def positions_of(self, input_batch) -> torch.Tensor:
         """The positions the target reads for ``input_batch``: the depth positions of a begun
         batch, else its own (copied into the persistent buffer, which graphs capture)."""
         num_tokens = input_batch.num_tokens_after_padding
-        if input_batch is not self._input_batch:
+        if input_batch is not self.input_batch:
             self.positions[:num_tokens].copy_(input_batch.positions[:num_tokens])
         return self.positions[:num_tokens]
 
@@ -200,8 +200,12 @@ class TreeModelState:
             raise DDTreeConfigError(
                 f"ddtree: custom logits processors ({', '.join(custom)}) read a row's drafts as "
                 "a chain and cannot process tree rows; drop them or serve without ddtree")
-        from vllm_ddtree.plugin.v2.verifier import TreeVerifier
+        from vllm_ddtree.plugin.v2.verifier import TreePenalties, TreeVerifier
 
+        # penalties count each tree row's path, not the drafts before it in its block
+        at = next(i for i, p in enumerate(sampler.logits_processors)
+                  if p is sampler.penalties_state)
+        sampler.logits_processors[at] = TreePenalties(sampler.penalties_state, self.ddtree)
         return sampler, TreeVerifier(sampler, self.ddtree)
 
 

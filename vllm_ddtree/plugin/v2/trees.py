@@ -26,16 +26,14 @@ from vllm_ddtree.tree import PADDING_TOKEN_ID, DraftTree
 
 def needs_chain_history(sampling_params) -> list[str]:
     """The features of a request that vLLM's V2 sampler computes from a row's chain of drafts
-    (the rows before it in the request's block): penalties, bad words, the thinking budget,
-    and structured outputs (the scheduler validates drafts as a chain and fills one bitmask
-    row per draft position). Tree rows have a path, not a chain, so such a request is served
-    without draft nodes on V2 (its root row is exact). Empty: the request drafts trees."""
+    (the rows before it in the request's block): bad words, the thinking budget, and
+    structured outputs (the scheduler validates drafts as a chain and fills one bitmask row
+    per draft position). Tree rows have a path, not a chain, so such a request is served
+    without draft nodes on V2 (its root row is exact). Penalties are not among them: they
+    count each row's path (``verifier.TreePenalties``). Empty: the request drafts trees."""
     if sampling_params is None:
         return []
     found = []
-    if (sampling_params.repetition_penalty != 1.0 or sampling_params.frequency_penalty != 0.0
-            or sampling_params.presence_penalty != 0.0):
-        found.append("penalties")
     if sampling_params.bad_words:
         found.append("bad_words")
     if getattr(sampling_params, "thinking_token_budget", None) is not None:

@@ -34,8 +34,69 @@ from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
 from vllm_ddtree.plugin.state import accepted_moves
 from vllm_ddtree.plugin.v2.model_state import TreeStep
-from vllm_ddtree.sampling import argmax_rows, verify_rows
+from vllm_ddtree.sampling import argmax_rows, cached_arange, verify_rows
 from vllm_ddtree.walk import walk
+
+
+class TreePenalties:
+    """vLLM's V2 penalties (``PenaltiesState``, in its place in the sampler's processors) with
+    each tree row's own history: the request's output, then its path's tokens.
+
+    vLLM's kernel counts a verify row's history as the request's output plus the drafts before
+    it in the request's block (a chain). For a tree row the history is the path root -> node
+    (``DraftTree.path_tokens``): per chunk of the rows of requests with penalties, their
+    output counts plus their paths' tokens are handed to vLLM's own kernel as one "request"
+    per row with no drafts before it, so each row is penalised with the arithmetic plain
+    decoding uses. Steps without trees, and requests without penalties, are vLLM's. Memory: a
+    ``[rows, V]`` count table per chunk (:data:`CHUNK_BYTES`). Host work: the chunk rows, from
+    the host's own copies of the batch layout (one small pinned upload a step)."""
+
+    CHUNK_BYTES = 64 << 20
+
+    def __init__(self, state, step: TreeStep):
+        self.state = state  # vLLM's PenaltiesState: every request's penalties and counts
+        self.step = step
+
+    def add_request(self, req_idx: int, sampling_params) -> bool:
+        return self.state.add_request(req_idx, sampling_params)
+
+    def apply_staged_writes(self) -> None:
+        self.state.apply_staged_writes()
+
+    def apply(self, logits: torch.Tensor, ctx) -> torch.Tensor:
+        import numpy as np
+        from vllm.utils import torch_utils
+        from vllm.v1.worker.gpu.sample.penalties import apply_penalties
+
+        state, verify = self.state, self.step.verify
+        if verify is None:  # a step without trees: vLLM's
+            return state.apply(logits, ctx)
+        batch_rows = np.flatnonzero(state.use_penalty[ctx.idx_mapping_np])
+        if batch_rows.size == 0:
+            return logits
+        cu = self.step.input_batch.cu_num_logits_np
+        lengths = cu[batch_rows + 1] - cu[batch_rows]
+        request = np.repeat(batch_rows, lengths)  # the batch position of each penalised row
+        local = np.arange(request.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        rows = cu[request] + local
+        layout = torch_utils.async_tensor_h2d(np.stack([rows, request, local - 1]),
+                                              device=logits.device, dtype=torch.int64)
+        chunk = max(1, self.CHUNK_BYTES // (4 * logits.shape[1]))
+        for start in range(0, rows.size, chunk):
+            row, req, node = layout[:, start : start + chunk]
+            slot = ctx.idx_mapping[req]
+            counts = state.output_bin_counts.index_select(0, slot)  # [c, V] the output's
+            path = verify.tree.path_tokens(req, node)  # plus the path's
+            counts.scatter_add_(1, path.clamp(min=0), (path >= 0).to(counts.dtype))
+            values = logits.index_select(0, row)
+            each = cached_arange(row.shape[0], logits.device)
+            apply_penalties(values, each, each, torch.zeros_like(each),
+                            state.repetition_penalty.gpu[slot],
+                            state.frequency_penalty.gpu[slot],
+                            state.presence_penalty.gpu[slot],
+                            state.prompt_bin_mask.index_select(0, slot), counts)
+            logits.index_copy_(0, row, values)
+        return logits
 
 
 def _host_seq_lens(input_batch):
