@@ -474,9 +474,6 @@ REQUIREMENTS += (
                 ("logits", "expanded_idx_mapping", "token_ids", "expanded_local_pos",
                  "repetition_penalty", "frequency_penalty", "presence_penalty",
                  "prompt_bin_mask", "output_bin_counts")),
-    Requirement(f"{_V2}.sample.penalties", "_penalties_kernel",
-                contains=("for prev_pos in tl.range(pos):",),
-                why="a row at local position 0 counts no draft: its counts are the table's"),
     Requirement(f"{_V2}.sample.states", "SamplingStates.__init__",
                 contains=("self.temperature = UvaBackedTensor(max_num_reqs, "
                           "dtype=torch.float32)",)),
