@@ -46,7 +46,8 @@ def jobs(max_tokens: int, short: bool = False, names: list[str] | None = None):
     other company (the same seeds must give the same text); ``staggered`` (only where named):
     every prompt at T = 0, one request added every third engine step, so requests join running
     ones; ``penalties`` (only where named): every prompt with presence, frequency and
-    repetition penalties and logprobs, even ones greedy, odd ones seeded. ``short``: without the reversed greedy pass and the runs alone (a second policy on
+    repetition penalties and logprobs, even ones greedy, odd ones seeded; ``biased`` (only
+    where named): every prompt at T = 0 with a small ``logit_bias`` on token 5. ``short``: without the reversed greedy pass and the runs alone (a second policy on
     the same layout), with the features and structured jobs. ``names``: only these jobs
     (``alone`` for the runs alone), in the order above."""
     common = dict(max_tokens=max_tokens, ignore_eos=True)
@@ -66,6 +67,9 @@ def jobs(max_tokens: int, short: bool = False, names: list[str] | None = None):
     def penalties(i):  # penalties counting each row's path: even prompts greedy, odd seeded
         return dict(mixed(i), **FEATURES[0])
 
+    def biased(i):  # a feature that reshapes the target's law (known_params.reshapes_target)
+        return dict(greedy(i), logit_bias={5: -1.0})
+
     def structured(i):  # a grammar along the trees (grammar.py), greedy
         from vllm.sampling_params import StructuredOutputsParams
 
@@ -82,7 +86,8 @@ def jobs(max_tokens: int, short: bool = False, names: list[str] | None = None):
               ("greedy_reversed", everyone[::-1], greedy), ("mixed", everyone, mixed),
               *((f"alone_{i}", [i], seeded) for i in odd),
               ("pairs", [odd[1], 0, odd[0], 2, odd[3], odd[2]], mixed),
-              ("staggered", everyone, greedy), ("penalties", everyone, penalties)]
+              ("staggered", everyone, greedy), ("penalties", everyone, penalties),
+              ("biased", everyone, biased)]
     for job in listed:
         if job[0] in names or (job[0].startswith("alone_") and "alone" in names):
             yield job
@@ -174,7 +179,9 @@ def run_jobs(llm, max_tokens: int, short: bool = False, log=lambda line: None,
 def _run(llm, job_list, result: dict, log) -> None:
     from vllm import SamplingParams
 
+    result["job_acceptance_length"] = {}
     for name, indices, params in job_list:
+        before = _draft_counts(llm)
         prompts = [PROMPTS[i] for i in indices]
         sampling = [SamplingParams(**params(i)) for i in indices]
         if name == "staggered":
@@ -184,6 +191,8 @@ def _run(llm, job_list, result: dict, log) -> None:
                                     for i, o in zip(indices, outs)}
         else:
             outs = llm.generate(prompts, sampling, use_tqdm=False)
+        drafts, accepted = (a - b for a, b in zip(_draft_counts(llm), before))
+        result["job_acceptance_length"][name] = 1 + accepted / drafts if drafts else 1.0
         result["outputs"][name] = {str(i): list(o.outputs[0].token_ids)
                                    for i, o in zip(indices, outs)}
         result["logprobs"][name] = {
@@ -191,6 +200,13 @@ def _run(llm, job_list, result: dict, log) -> None:
                      for row in o.outputs[0].logprobs]
             for i, o in zip(indices, outs) if o.outputs[0].logprobs}
         log(f"job {name} done")
+
+
+def _draft_counts(llm) -> tuple[float, float]:
+    """vLLM's running counts of request-steps with drafts and of accepted drafts."""
+    metrics = llm.get_metrics()
+    return tuple(sum(m.value for m in metrics if m.name == name) for name in (
+        "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens"))
 
 
 def _staggered(llm, prompts: list[str], sampling: list) -> tuple[list, list[list[int]]]:

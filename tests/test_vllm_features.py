@@ -438,13 +438,11 @@ def oracle_plain(oracle_target):
 @pytest.fixture(scope="module")
 def oracle_ddtree(oracle_target):
     target, drafter = oracle_target
-    # DDTree's trees: test_oracle_trees_were_deep is about the drafter's own chain getting
-    # through each feature. Calibrated trees (the default, served exactly in the other tests)
-    # pool what every request teaches them: with them, the structured request alone accepted
-    # nothing past depth 5 (per depth [7, 7, 6, 6, 6, 0, 0, 0]), its L nodes shaped by what
-    # the earlier feature requests, whose targets leave the drafter's first choice, taught.
-    llm = make_llm(ddtree_spec(ORACLE_BUDGET, model=drafter, ddtree_calibrate_trees=False),
-                   model=target, **ORACLE_ENGINE)
+    # Calibrated trees (the default): the feature requests, whose targets leave the drafter's
+    # first choice, do not teach the calibration (known_params.reshapes_target). When they
+    # did, the structured request alone then accepted nothing past depth 5 (per depth
+    # [7, 7, 6, 6, 6, 0, 0, 0]): test_oracle_trees_were_deep holds that it does.
+    llm = make_llm(ddtree_spec(ORACLE_BUDGET, model=drafter), model=target, **ORACLE_ENGINE)
     try:
         got = _generate(llm, ORACLE_CASES)
         before = spec_metrics(llm)

@@ -250,17 +250,33 @@ def test_calibrated_trees_follow_an_underconfident_drafter(unsure_pair):
     spend the nodes on siblings and accept ~4 tokens a step; calibrated trees learn within a
     few steps that the first choice is always taken and then accept L + 1 = 8, the chain's
     (~6.7 over the run: its first steps have no evidence yet).
+    Then, on the calibrated engine, four requests with a feature that reshapes the target's
+    law (a ``logit_bias``, here one that changes no token): the calibration leaves them out
+    (``known_params.reshapes_target``), so their trees are DDTree's (~4 a step), while the
+    calibration the plain requests taught still holds for the next plain requests (~8).
     Outputs are plain decoding's: the target emits token 100 after every prefix."""
     target, drafter = unsure_pair
-    tau = {}
+    tau, reshaped, after = {}, None, None
+    biased = SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, ignore_eos=True,
+                            logit_bias={5: -1.0})
     for calibrate in (False, True):
         llm = make_llm(ddtree_spec(8, model=drafter, ddtree_calibrate_trees=calibrate),
                        model=target)
         outputs = _token_ids(llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False))
         assert outputs == [[100] * GREEDY.max_tokens] * 4
         tau[calibrate] = mean_acceptance_length(spec_metrics(llm))
+        if calibrate:
+            marks = [spec_metrics(llm)]
+            for params in (biased, GREEDY):
+                outputs = _token_ids(llm.generate(PROMPTS[:4], params, use_tqdm=False))
+                assert outputs == [[100] * GREEDY.max_tokens] * 4
+                marks.append(spec_metrics(llm))
+            reshaped, after = (mean_acceptance_length({
+                k: marks[i + 1][k] - marks[i][k] for k in marks[i]
+                if isinstance(marks[i][k], (int, float))}) for i in (0, 1))
         close(llm)
     assert tau[False] < 5.0 and tau[True] > 6.0, tau
+    assert reshaped < 5.0 and after > 7.0, (reshaped, after)
 
 
 def test_bfloat16_engine():

@@ -234,16 +234,20 @@ def test_calibrated_trees_on_v2(tmp_path_factory):
     slots' drafter tops reach the verifier, the calibration reaches the drafter's next trees
     (read inside its step, not the host's), and the trees soon accept L + 1 = 8 tokens a step,
     the chain's (over the run, first steps included: > 6; DDTree's trees: ~4,
-    ``test_vllm_greedy``); every output token is plain decoding's
-    (token 100 after every prefix)."""
+    ``test_vllm_greedy``). Then requests with a ``logit_bias`` (one that changes no token), a
+    feature that reshapes the target's law: the calibration leaves them out, their trees are
+    DDTree's (< 5). Every output token is plain decoding's (token 100 after every prefix)."""
     from handmade_pair import make_unsure_pair
 
     tmp = tmp_path_factory.mktemp("unsure_v2")
     target, drafter = make_unsure_pair(tmp / "pair")
-    result = run_v2(tmp, ddtree(8, drafter), "greedy", model=target)
-    outputs = result["outputs"]["greedy"]
-    assert outputs and all(ids == [100] * MAX_TOKENS for ids in outputs.values())
-    assert result["mean_acceptance_length"] > 6.0, result["mean_acceptance_length"]
+    result = run_v2(tmp, ddtree(8, drafter), "greedy,biased", model=target)
+    for job in ("greedy", "biased"):
+        outputs = result["outputs"][job]
+        assert outputs and all(ids == [100] * MAX_TOKENS for ids in outputs.values()), job
+    tau = result["job_acceptance_length"]
+    # then requests whose logit_bias reshapes the target's law: DDTree's trees (~4)
+    assert tau["greedy"] > 6.0 and tau["biased"] < 5.0, tau
 
 
 def test_harness_gumbel_twin_equals_vllms_kernel():

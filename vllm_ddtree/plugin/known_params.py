@@ -71,6 +71,12 @@ KNOWN: dict[str, str] = {
                   "vLLM's own keys (KV transfer) do not touch sampling",
 }
 
+# fields that change the target's law beyond the row's temperature, top-k, top-p and min-p:
+# a request that sets one says less about the drafter than a plain one (reshapes_target)
+RESHAPING = ("logit_bias", "allowed_token_ids", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", "min_tokens", "bad_words", "_bad_words_token_ids",
+             "thinking_token_budget", "structured_outputs")
+
 _defaults: dict[str, object] = {}
 _logged: set[str] = set()
 
@@ -96,6 +102,30 @@ def unknown_fields(params) -> list[str]:
     return [name for name in getattr(params, "__struct_fields__", ())
             if name not in KNOWN and not _is_default(getattr(params, name),
                                                       _default(params, name))]
+
+
+def reshapes_target(params) -> bool:
+    """Whether ``params`` sets a :data:`RESHAPING` field: penalties, banned or allowed tokens, a
+    grammar... turn the target away from what the drafter predicts, each in its own way, so
+    the trees' calibration (``vllm_ddtree/calibration.py``) leaves such a request out: it
+    does not learn from its steps (they would reshape every other request's trees) and its
+    trees are DDTree's (what the plain requests taught need not hold for it)."""
+    return params is not None and any(
+        not _is_default(getattr(params, name, None), _default(params, name))
+        for name in RESHAPING)
+
+
+def reshaping(requests: dict, req_ids) -> list[bool]:
+    """:func:`reshapes_target` of each of ``req_ids`` (V1's runner requests), remembered on the
+    request."""
+    flags = []
+    for req_id in req_ids:
+        request = requests[req_id]
+        flag = request.__dict__.get("_ddtree_reshapes")
+        if flag is None:
+            flag = request._ddtree_reshapes = reshapes_target(request.sampling_params)
+        flags.append(flag)
+    return flags
 
 
 def untreeable(request) -> bool:

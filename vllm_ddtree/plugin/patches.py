@@ -894,7 +894,9 @@ def _wrap_sample(original):
         src_rows, dst_rows = state.finish_verify(state.verdict)
         sampling = sampling_batch(self.input_batch.sampling_metadata)
         sampled = None if sampling is None else ~sampling.is_greedy
-        state.observe_calibration(sampled)  # the trees' calibration
+        if state.calibration is not None:  # the trees' calibration
+            state.observe_calibration(sampled, known_params.reshaping(
+                self.requests, self.input_batch.req_ids[: len(state.verify.num_draft)]))
         if state.budgets.calibration is not None:  # auto: the step's outcome calibrates it
             state.budgets.observe_verify(state.verify.tree, state.verdict.accepted_nodes,
                                          state.verify.matched, sampled)

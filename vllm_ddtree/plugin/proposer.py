@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
+from vllm_ddtree.plugin import known_params
 from vllm_ddtree.plugin.policy import has_structured_outputs
 from vllm_ddtree.plugin.sampler import sampling_batch
 from vllm_ddtree.plugin.state import TreeState, chain_parents
@@ -156,7 +157,9 @@ class DDTreeProposer(DFlashProposer):
                 table.block_size)
             state.context_written(self._step_slots(kwargs["target_hidden_states"].shape[0]))
         self._pending_budget = state.budgets.budget(num_reqs, sampled, complete, structured)
-        self._pending_calibration = state.tree_calibration(sampled, num_reqs)
+        reshaped = None if state.calibration is None else known_params.reshaping(
+            self._runner.requests, self._runner.input_batch.req_ids[:num_reqs])
+        self._pending_calibration = state.tree_calibration(sampled, num_reqs, reshaped)
         self._pending_tree = None
         super().propose(state.depth, **kwargs)
         tree = self._pending_tree

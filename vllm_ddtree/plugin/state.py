@@ -420,23 +420,34 @@ class TreeState:
     def depth(self) -> int:
         return self.options.depth
 
-    def tree_calibration(self, sampled: torch.Tensor | None, num_reqs: int
-                         ) -> torch.Tensor | None:
+    def tree_calibration(self, sampled: torch.Tensor | None, num_reqs: int,
+                         reshaped: list[bool] | None = None) -> torch.Tensor | None:
         """``build_tree``'s calibration for a proposal of ``num_reqs`` requests (``sampled``:
-        ``[R]`` bool, T > 0; None: all greedy), or None (DDTree's trees)."""
+        ``[R]`` bool, T > 0; None: all greedy), or None (DDTree's trees). ``reshaped``: per
+        request, whether its features reshape the target's law
+        (``known_params.reshapes_target``): its tree is DDTree's (factors 1)."""
         if self.calibration is None:
             return None
         if sampled is None:
             sampled = self.budgets.all_greedy(num_reqs)
-        return self.calibration.log_factors(sampled)
+        factors = self.calibration.log_factors(sampled)
+        if reshaped is not None and any(reshaped):
+            factors.masked_fill_(to_device(reshaped, torch.bool, self.device)[:, None, None],
+                                 0.0)
+        return factors
 
-    def observe_calibration(self, sampled: torch.Tensor | None) -> None:
+    def observe_calibration(self, sampled: torch.Tensor | None, reshaped: list[bool]) -> None:
         """Fold the verify step's outcome (:meth:`finish_verify`) into the tree calibration:
-        the requests whose trees were their recorded proposals (device ops only)."""
+        the requests whose trees were their recorded proposals, except those whose features
+        reshape the target's law (``reshaped``, per request of the step, host:
+        ``known_params.reshapes_target``). Device ops, and one small upload where a request
+        is left out."""
         verify, verdict = self.verify, self.verdict
         if self.calibration is None or verify is None or verify.tree.tops is None:
             return
         counted = verify.matched & (verify.tree.num_nodes > 0)
+        if any(reshaped):
+            counted &= ~to_device(reshaped, torch.bool, self.device)
         if sampled is None:
             sampled = self.budgets.all_greedy(counted.shape[0])
         self.calibration.observe(verify.tree.tops, verdict.output_tokens, verdict.num_accepted,

@@ -33,6 +33,7 @@ import torch
 from vllm.sampling_params import SamplingType
 
 from vllm_ddtree.calibration import TreeCalibration
+from vllm_ddtree.plugin.known_params import reshapes_target
 from vllm_ddtree.plugin.options import DDTreeConfigError, DDTreeOptions
 from vllm_ddtree.plugin.state import VerifyBatch
 from vllm_ddtree.plugin.v2.trees import SlotTrees, needs_chain_history
@@ -134,7 +135,8 @@ class TreeModelState:
         params = new_req_data.sampling_params
         self.ddtree.trees.reset(req_index, bool(needs_chain_history(params)),
                                 params is not None
-                                and params.sampling_type != SamplingType.GREEDY)
+                                and params.sampling_type != SamplingType.GREEDY,
+                                reshapes_target(params))
 
     def initialize_kv_cache(self, kv_cache_config, block_tables) -> None:
         super().initialize_kv_cache(kv_cache_config, block_tables)

@@ -89,8 +89,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         slots = self.sample_idx_mapping[:num_sample].view(num_reqs, depth)[:, 0]
         calibration = None
         if step is not None and step.calibration is not None:
-            calibration = step.calibration.log_factors(
-                step.trees.sampled[step.trees.targets(slots)])
+            target = step.trees.targets(slots)
+            # (a request whose features reshape the target's law gets DDTree's tree)
+            calibration = step.calibration.log_factors(step.trees.sampled[target]).masked_fill_(
+                step.trees.reshaped[target][:, None, None], 0.0)
         tree = build_tree(logits.view(num_reqs, depth, -1), self.options.budget,
                           calibration=calibration)
         if step is not None:

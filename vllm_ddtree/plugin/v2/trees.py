@@ -60,17 +60,21 @@ class SlotTrees:
         self.no_tree = torch.zeros(rows, dtype=torch.bool, device=device)
         # [S + 2] bool: the slot's request samples (T > 0): its trees' calibration row
         self.sampled = torch.zeros(rows, dtype=torch.bool, device=device)
+        # [S + 2] bool: the slot's request reshapes the target's law (penalties, a grammar...):
+        # the calibration does not learn from it (known_params.reshapes_target)
+        self.reshaped = torch.zeros(rows, dtype=torch.bool, device=device)
         # the drafter's top tokens of each slot's tree (DraftTops), for the calibration
         self.top_ids = torch.full((rows, depth, TOP_RANKS), -1, dtype=torch.int64,
                                   device=device)
         self.top_probs = torch.zeros(rows, depth, CELLS, device=device)
 
-    def reset(self, slot: int, no_tree: bool, sampled: bool) -> None:
+    def reset(self, slot: int, no_tree: bool, sampled: bool, reshaped: bool = False) -> None:
         """A request enters ``slot``: the empty tree until the drafter writes one."""
         for buf in (self.nodes, self.scores, self.mask, self.top_ids, self.top_probs):
             buf[slot] = buf[self.empty_slot]
         self.no_tree[slot] = no_tree
         self.sampled[slot] = sampled
+        self.reshaped[slot] = reshaped
 
     def targets(self, slots: torch.Tensor) -> torch.Tensor:
         """The rows that a batch's ``slots`` (-1: a padding row) write to."""

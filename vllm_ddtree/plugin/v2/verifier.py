@@ -150,7 +150,8 @@ class TreeVerifier:
             (verdict.num_accepted + 1).to(torch.int32), input_batch.seq_lens, cu_num_logits,
             input_batch.idx_mapping, sampler.req_states.prefill_len.gpu)
         if step.calibration is not None:  # the trees' calibration learns from this step
-            counted = verify.matched & (tree.num_nodes > 0)
+            counted = (verify.matched & (tree.num_nodes > 0)
+                       & ~step.trees.reshaped[input_batch.idx_mapping])
             step.calibration.observe(tree.tops, verdict.output_tokens, verdict.num_accepted,
                                      counted, step.trees.sampled[input_batch.idx_mapping])
         src, dst, step.gather_index = accepted_moves(
