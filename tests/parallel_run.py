@@ -47,7 +47,9 @@ def jobs(max_tokens: int, short: bool = False, names: list[str] | None = None):
     every prompt at T = 0, one request added every third engine step, so requests join running
     ones; ``penalties`` (only where named): every prompt with presence, frequency and
     repetition penalties and logprobs, even ones greedy, odd ones seeded; ``biased`` (only
-    where named): every prompt at T = 0 with a small ``logit_bias`` on token 5. ``short``: without the reversed greedy pass and the runs alone (a second policy on
+    where named): every prompt at T = 0 with a small ``logit_bias`` on token 5; ``bad_words``
+    (only where named): bad words of 2 and 3 tokens that plain outputs hold, even prompts
+    greedy, odd ones seeded. ``short``: without the reversed greedy pass and the runs alone (a second policy on
     the same layout), with the features and structured jobs. ``names``: only these jobs
     (``alone`` for the runs alone), in the order above."""
     common = dict(max_tokens=max_tokens, ignore_eos=True)
@@ -66,6 +68,9 @@ def jobs(max_tokens: int, short: bool = False, names: list[str] | None = None):
 
     def penalties(i):  # penalties counting each row's path: even prompts greedy, odd seeded
         return dict(mixed(i), **FEATURES[0])
+
+    def bad_words(i):  # words of 2 and 3 tokens that the outputs hold: banned by the history
+        return dict(mixed(i), bad_words=["self.", "get_name"])
 
     def biased(i):  # a feature that reshapes the target's law (known_params.reshapes_target)
         return dict(greedy(i), logit_bias={5: -1.0})
@@ -87,7 +92,7 @@ def jobs(max_tokens: int, short: bool = False, names: list[str] | None = None):
               *((f"alone_{i}", [i], seeded) for i in odd),
               ("pairs", [odd[1], 0, odd[0], 2, odd[3], odd[2]], mixed),
               ("staggered", everyone, greedy), ("penalties", everyone, penalties),
-              ("biased", everyone, biased)]
+              ("biased", everyone, biased), ("bad_words", everyone, bad_words)]
     for job in listed:
         if job[0] in names or (job[0].startswith("alone_") and "alone" in names):
             yield job

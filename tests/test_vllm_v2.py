@@ -50,7 +50,7 @@ def run_v2(tmp_path, spec, jobs: str, tp: int = 1, sync: bool = False, num_block
 def plain_v2(tmp_path_factory):
     """Plain decoding on V2: the oracle of every job."""
     return run_v2(tmp_path_factory.mktemp("plain_v2"), None,
-                  "greedy,features,structured,mixed,pairs,penalties")
+                  "greedy,features,structured,mixed,pairs,penalties,bad_words")
 
 
 def check_v2(result: dict, plain: dict, compacts: bool = True, min_tau: float = 1.3) -> None:
@@ -148,13 +148,21 @@ def test_budget_table_fixed(tmp_path, plain_v2, table, per_draft):
     assert (result["num_drafts"] > 0) == (per_draft > 0)
 
 
-def test_penalties_on_tree_rows(tmp_path, plain_v2):
-    """Presence, frequency and repetition penalties on V2 trees (``verifier.TreePenalties``:
-    each tree row counts its own path, with vLLM's own kernel), B = 8, async scheduling:
-    every prompt penalised, even ones greedy, odd ones seeded at T = 0.8, with logprobs;
-    every token and logprob is V2 plain decoding's, and the trees are accepted (tau > 1.3: a
-    request without nodes would give 1)."""
-    check_v2(run_v2(tmp_path, ddtree(8), "penalties"), plain_v2)
+def test_path_features_on_tree_rows(tmp_path, plain_v2):
+    """Features whose law depends on a row's history, on V2 trees, B = 8, async scheduling,
+    even prompts greedy, odd ones seeded at T = 0.8: presence, frequency and repetition
+    penalties with logprobs (``verifier.TreePenalties``: each tree row counts its own path,
+    with vLLM's own kernel), and bad words of 2 and 3 tokens that plain outputs hold
+    ("self." and "get_name": banned after their prefix on the row's path or output,
+    ``verifier.TreeBadWords``). Every token and logprob is V2 plain decoding's, and the
+    trees are accepted in each job (tau > 1.3: a request without nodes would give 1)."""
+    plain = plain_v2["outputs"]
+    assert all(plain["bad_words"][i] != plain["greedy"][i] for i in ("2", "6")), \
+        "the bad words do not bite"
+    result = run_v2(tmp_path, ddtree(8), "penalties,bad_words")
+    check_v2(result, plain_v2)
+    tau = result["job_acceptance_length"]
+    assert min(tau.values()) > 1.3, tau
 
 
 def test_preemption(tmp_path, plain_v2):

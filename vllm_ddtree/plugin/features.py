@@ -207,34 +207,11 @@ class TreeFeatures:
             logits.masked_fill_(probs < threshold, NEG_INF)
         return logits
 
-    def _history(self, row_ids: torch.Tensor, request: torch.Tensor, length: int) -> torch.Tensor:
-        """``[c, length]``: token j (0 = the latest) of each row's history, NO_TOKEN before the
-        output's first token. The path's tokens come first (parent hops), then the output's."""
-        depth = self.rows.depth[row_ids]
-        node = self.rows.node[row_ids]
-        # a padding column: the root row's walk up reads it, and trees of width 0 have one
-        tokens = torch.nn.functional.pad(self.tree.token_ids, (0, 1), value=NO_TOKEN)
-        parents = torch.nn.functional.pad(self.tree.parents, (0, 1), value=-1)
-        base = request * tokens.shape[1]
-        node = torch.where(node >= 0, node, tokens.shape[1] - 1)
-        columns = []
-        for j in range(length):
-            index = base + node
-            back = (j - depth).clamp(min=0, max=self.output_tail.shape[1] - 1)
-            columns.append(torch.where(j < depth, tokens.view(-1)[index],
-                                       self.output_tail[request, back]))
-            if j + 1 < length:
-                node = torch.where(j + 1 < depth, parents.view(-1)[index], node)
-        return torch.stack(columns, dim=1)
-
     def _apply_bad_words(self, logits, row_ids, request):
         word_request, last, prefix_len, prefix = self.bad_words
-        history = self._history(row_ids, request, prefix.shape[1])  # [c, K - 1]
-        slots = cached_arange(prefix.shape[1], self.device)
-        same = (history[:, None, :] == prefix[None]) | (slots >= prefix_len[:, None])[None]
-        banned = (request[:, None] == word_request) & same.all(dim=-1)  # [c, words]
-        logits.scatter_add_(1, last.expand(len(request), -1),
-                            torch.where(banned, NEG_INF, 0.0))
+        path = self.tree.path_tokens(request, self.rows.node[row_ids])
+        history = row_history(path, self.output_tail[request], prefix.shape[1])
+        ban_bad_words(logits, history, request, word_request, last, prefix_len, prefix)
 
     def _apply_min_tokens(self, logits, row_ids, request, stop_request, stop_token, remaining,
                           restore):
@@ -262,6 +239,33 @@ class TreeFeatures:
         apply_repetition_penalties(logits, prompt_mask[request], output_mask, repetition[request])
         logits -= frequency[request].unsqueeze(dim=1) * row_counts
         logits -= presence[request].unsqueeze(dim=1) * output_mask
+
+
+def row_history(path: torch.Tensor, output_tail: torch.Tensor, length: int) -> torch.Tensor:
+    """``[c, length]``: token j (0 = the latest) of each row's history: its path's tokens
+    (``DraftTree.path_tokens``, -1 past the root), then its request's output, newest first
+    (``output_tail [c, >= length]``, NO_TOKEN before the output's first token).
+    Example: path [9, 5, -1], output tail [4, 3, NO_TOKEN] -> [9, 5, 4] for length 3."""
+    depth = (path >= 0).sum(dim=1, keepdim=True)  # [c, 1]
+    if path.shape[1] < length:
+        path = torch.nn.functional.pad(path, (0, length - path.shape[1]), value=-1)
+    column = cached_arange(length, path.device)[None, :]
+    from_output = output_tail.gather(1, (column - depth).clamp(min=0).expand(len(path), -1))
+    return torch.where(column < depth, path[:, :length], from_output)
+
+
+def ban_bad_words(logits: torch.Tensor, history: torch.Tensor, request: torch.Tensor,
+                  word_request: torch.Tensor, last: torch.Tensor, prefix_len: torch.Tensor,
+                  prefix: torch.Tensor) -> None:
+    """vLLM's bad words on rows with their own history (:func:`row_history`): a word's last
+    token -> -inf in row i where the row's request is the word's (``request [c]``,
+    ``word_request [W]``; -1 matches no row) and its history ends with the word's other tokens
+    (``prefix [W, K]`` newest first, ``prefix_len [W]`` of them count). ``logits [c, V]``, in
+    place; ``history [c, K]``."""
+    slots = cached_arange(prefix.shape[1], logits.device)
+    same = (history[:, None, :] == prefix[None]) | (slots >= prefix_len[:, None])[None]
+    banned = (request[:, None] == word_request) & same.all(dim=-1)  # [c, words]
+    logits.scatter_add_(1, last.expand(len(request), -1), torch.where(banned, NEG_INF, 0.0))
 
 
 def _processor_entry(processor, num_reqs: int, device: torch.device):

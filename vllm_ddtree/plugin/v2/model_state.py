@@ -202,12 +202,16 @@ class TreeModelState:
             raise DDTreeConfigError(
                 f"ddtree: custom logits processors ({', '.join(custom)}) read a row's drafts as "
                 "a chain and cannot process tree rows; drop them or serve without ddtree")
-        from vllm_ddtree.plugin.v2.verifier import TreePenalties, TreeVerifier
+        from vllm_ddtree.plugin.v2.verifier import TreeBadWords, TreePenalties, TreeVerifier
 
-        # penalties count each tree row's path, not the drafts before it in its block
-        at = next(i for i, p in enumerate(sampler.logits_processors)
-                  if p is sampler.penalties_state)
-        sampler.logits_processors[at] = TreePenalties(sampler.penalties_state, self.ddtree)
+        # penalties and bad words read each tree row's path, not the drafts before it in its
+        # block: in their places, the same processors with tree rows
+        processors = sampler.logits_processors
+        for i, processor in enumerate(processors):
+            if isinstance(processor, PenaltiesState):
+                processors[i] = TreePenalties(processor, self.ddtree)
+            elif isinstance(processor, BadWordsState):
+                processors[i] = TreeBadWords(processor, self.ddtree, self.max_num_reqs)
         return sampler, TreeVerifier(sampler, self.ddtree)
 
 

@@ -26,16 +26,15 @@ from vllm_ddtree.tree import PADDING_TOKEN_ID, DraftTree
 
 def needs_chain_history(sampling_params) -> list[str]:
     """The features of a request that vLLM's V2 sampler computes from a row's chain of drafts
-    (the rows before it in the request's block): bad words, the thinking budget, and
-    structured outputs (the scheduler validates drafts as a chain and fills one bitmask row
-    per draft position). Tree rows have a path, not a chain, so such a request is served
-    without draft nodes on V2 (its root row is exact). Penalties are not among them: they
-    count each row's path (``verifier.TreePenalties``). Empty: the request drafts trees."""
+    (the rows before it in the request's block): the thinking budget, and structured outputs
+    (the scheduler validates drafts as a chain and fills one bitmask row per draft position).
+    Tree rows have a path, not a chain, so such a request is served without draft nodes on V2
+    (its root row is exact). Penalties and bad words are not among them: they read each row's
+    path (``verifier.TreePenalties``, ``verifier.TreeBadWords``). Empty: the request drafts
+    trees."""
     if sampling_params is None:
         return []
     found = []
-    if sampling_params.bad_words:
-        found.append("bad_words")
     if getattr(sampling_params, "thinking_token_budget", None) is not None:
         found.append("thinking_token_budget")
     if sampling_params.structured_outputs is not None:

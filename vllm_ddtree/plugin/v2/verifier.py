@@ -26,6 +26,7 @@ nodes) are roots of empty trees: their one sample is vLLM's plain decoding token
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
 from vllm.v1.worker.gpu.metrics.logits import get_num_nans
@@ -36,6 +37,21 @@ from vllm_ddtree.plugin.state import accepted_moves
 from vllm_ddtree.plugin.v2.model_state import TreeStep
 from vllm_ddtree.sampling import argmax_rows, cached_arange, verify_rows
 from vllm_ddtree.walk import walk
+
+
+def _rows_of(cu_num_logits: np.ndarray, requests: np.ndarray, device: torch.device
+             ) -> torch.Tensor:
+    """``[3, n]`` int64 on ``device`` (one small pinned upload): the logits rows of the batch's
+    ``requests`` (positions in the batch, host), each with its request and its node (-1 for a
+    request's root row). Example: cu [0, 3, 5], requests [1] -> [[3, 4], [1, 1], [-1, 0]]."""
+    from vllm.utils import torch_utils
+
+    lengths = cu_num_logits[requests + 1] - cu_num_logits[requests]
+    request = np.repeat(requests, lengths)
+    local = np.arange(request.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    rows = cu_num_logits[request] + local
+    return torch_utils.async_tensor_h2d(np.stack([rows, request, local - 1]), device=device,
+                                        dtype=torch.int64)
 
 
 class TreePenalties:
@@ -64,25 +80,17 @@ class TreePenalties:
         self.state.apply_staged_writes()
 
     def apply(self, logits: torch.Tensor, ctx) -> torch.Tensor:
-        import numpy as np
-        from vllm.utils import torch_utils
         from vllm.v1.worker.gpu.sample.penalties import apply_penalties
 
         state, verify = self.state, self.step.verify
         if verify is None:  # a step without trees: vLLM's
             return state.apply(logits, ctx)
-        batch_rows = np.flatnonzero(state.use_penalty[ctx.idx_mapping_np])
-        if batch_rows.size == 0:
+        requests = np.flatnonzero(state.use_penalty[ctx.idx_mapping_np])
+        if requests.size == 0:
             return logits
-        cu = self.step.input_batch.cu_num_logits_np
-        lengths = cu[batch_rows + 1] - cu[batch_rows]
-        request = np.repeat(batch_rows, lengths)  # the batch position of each penalised row
-        local = np.arange(request.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        rows = cu[request] + local
-        layout = torch_utils.async_tensor_h2d(np.stack([rows, request, local - 1]),
-                                              device=logits.device, dtype=torch.int64)
+        layout = _rows_of(self.step.input_batch.cu_num_logits_np, requests, logits.device)
         chunk = max(1, self.CHUNK_BYTES // (4 * logits.shape[1]))
-        for start in range(0, rows.size, chunk):
+        for start in range(0, layout.shape[1], chunk):
             row, req, node = layout[:, start : start + chunk]
             slot = ctx.idx_mapping[req]
             counts = state.output_bin_counts.index_select(0, slot)  # [c, V] the output's
@@ -96,6 +104,74 @@ class TreePenalties:
                             state.presence_penalty.gpu[slot],
                             state.prompt_bin_mask.index_select(0, slot), counts)
             logits.index_copy_(0, row, values)
+        return logits
+
+
+class TreeBadWords:
+    """vLLM's V2 bad words (``BadWordsState``, in its place in the sampler's processors) with
+    each tree row's own history: a word's last token is banned where the row's path, then its
+    request's output, ends with the word's other tokens (``features.row_history``,
+    ``features.ban_bad_words``: V1's tree rows use the same two). vLLM's kernel reads a row's
+    history as the drafts before it in its block (a chain). Steps without trees are vLLM's.
+    Only -inf is written, so the rows' logits are vLLM's exactly. Host work: the rows of the
+    requests with bad words and their longest word (kept at :meth:`add_request`)."""
+
+    def __init__(self, state, step: TreeStep, max_num_reqs: int):
+        self.state = state  # vLLM's BadWordsState: every request's words, by slot
+        self.step = step
+        self.longest = np.zeros(max_num_reqs, dtype=np.int64)  # per slot: its longest word
+
+    def add_request(self, req_idx: int, sampling_params) -> bool:
+        words = sampling_params.bad_words_token_ids or ()
+        self.longest[req_idx] = max((len(word) for word in words), default=0)
+        return self.state.add_request(req_idx, sampling_params)
+
+    def apply_staged_writes(self) -> None:
+        self.state.apply_staged_writes()
+
+    def apply(self, logits: torch.Tensor, ctx) -> torch.Tensor:
+        from vllm_ddtree.plugin.features import NO_TOKEN, ban_bad_words, row_history
+
+        state, verify = self.state, self.step.verify
+        if verify is None:  # a step without trees: vLLM's
+            return state.apply(logits, ctx)
+        requests = np.flatnonzero(state.num_bad_words.np[ctx.idx_mapping_np] > 0)
+        if requests.size == 0:
+            return logits
+        slots_np = ctx.idx_mapping_np[requests]
+        width = max(int(self.longest[slots_np].max()) - 1, 1)  # the longest prefix
+        num_words = int(state.num_bad_words.np[slots_np].max())
+        device = logits.device
+        row, request, node = _rows_of(self.step.input_batch.cu_num_logits_np, requests, device)
+        # the words of the batch's requests, [R, num_words] flattened: (request, last token,
+        # prefix length, prefix newest first); a slot past a request's words matches no row
+        slot = ctx.idx_mapping  # [R] by batch position
+        offsets = state.bad_word_offsets.gpu[slot].long()  # [R, max words + 1]
+        end = offsets[:, 1 : num_words + 1]
+        length = end - offsets[:, :num_words]
+        counts = state.num_bad_words.gpu[slot].long()
+        word = cached_arange(num_words, device)
+        batch = cached_arange(slot.shape[0], device)
+        word_request = torch.where(word[None, :] < counts[:, None], batch[:, None], -1)
+        tokens = state.bad_word_token_ids.gpu[slot].long()  # [R, max total tokens]
+        last = tokens.gather(1, (end - 1).clamp(min=0))
+        back = cached_arange(width, device)  # prefix token i: end - 2 - i
+        at = (end[:, :, None] - 2 - back).clamp(min=0)  # [R, num_words, width]
+        prefix = torch.where(back < (length - 1)[:, :, None],
+                             tokens.gather(1, at.flatten(1)).view_as(at), NO_TOKEN)
+        # each row's history: its path, then its request's output newest first
+        req_states = state.req_states
+        row_slot = slot[request]
+        total = req_states.total_len.gpu[row_slot].long()
+        first = req_states.prompt_len.gpu[row_slot].long()
+        position = total[:, None] - 1 - back  # the output, newest first
+        output = req_states.all_token_ids.gpu[row_slot].gather(1, position.clamp(min=0))
+        output = torch.where(position >= first[:, None], output.long(), NO_TOKEN)
+        history = row_history(verify.tree.path_tokens(request, node), output, width)
+        values = logits.index_select(0, row)
+        ban_bad_words(values, history, request, word_request.flatten(), last.flatten(),
+                      (length - 1).flatten(), prefix.flatten(0, 1))
+        logits.index_copy_(0, row, values)
         return logits
 
 
