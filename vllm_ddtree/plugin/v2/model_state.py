@@ -47,7 +47,8 @@ class TreeStep:
                  device: torch.device):
         self.options = options
         self.device = device
-        self.trees = SlotTrees(max_num_reqs, options.budget, options.depth, device)
+        self.trees = SlotTrees(max_num_reqs, options.budget, options.depth, device,
+                               options.calibrate_trees)
         # trees by observed acceptance (vllm_ddtree/calibration.py)
         self.calibration = (TreeCalibration(options.depth, device) if options.calibrate_trees
                             else None)

@@ -45,8 +45,10 @@ def needs_chain_history(sampling_params) -> list[str]:
 class SlotTrees:
     """The trees of every request slot (see the module doc)."""
 
-    def __init__(self, num_slots: int, budget: int, depth: int, device: torch.device):
+    def __init__(self, num_slots: int, budget: int, depth: int, device: torch.device,
+                 calibrated: bool = True):
         self.budget, self.depth, self.device = budget, depth, device
+        self.calibrated = calibrated  # trees carry their drafter tops (the calibration's)
         self.empty_slot, self.padding_slot = num_slots, num_slots + 1
         rows = num_slots + 2
         *_, pad_mask, _ = _verify_constants(budget, depth, device)
@@ -125,5 +127,6 @@ class SlotTrees:
             num_nodes=real.sum(dim=1),
             ancestor_mask=mask,
             max_depth=min(self.depth, width),
-            tops=DraftTops(self.top_ids[slots], self.top_probs[slots]),
+            tops=(DraftTops(self.top_ids[slots], self.top_probs[slots]) if self.calibrated
+                  else None),
         )
