@@ -474,6 +474,18 @@ REQUIREMENTS += (
                 ("logits", "expanded_idx_mapping", "token_ids", "expanded_local_pos",
                  "repetition_penalty", "frequency_penalty", "presence_penalty",
                  "prompt_bin_mask", "output_bin_counts")),
+    # verifier.TreeBadWords: the words by slot, each row's history from the request's output
+    Requirement(f"{_V2}.sample.bad_words", "BadWordsState.__init__",
+                contains=("self.bad_word_token_ids = StagedWriteTensor(",
+                          "self.bad_word_offsets = StagedWriteTensor(",
+                          "self.num_bad_words = UvaBackedTensor(max_num_reqs, "
+                          "dtype=torch.int32)")),
+    Requirement(f"{_V2}.sample.bad_words", "BadWordsState.apply", ("logits", "ctx"),
+                contains=("self.req_states.all_token_ids.gpu, self.req_states.prompt_len.gpu, "
+                          "self.req_states.total_len.gpu,",)),
+    Requirement(f"{_V2}.sample.bad_words", "BadWordsState.add_request",
+                ("req_idx", "sampling_params"),
+                contains=("bad_words_token_ids = sampling_params.bad_words_token_ids",)),
     Requirement(f"{_V2}.sample.states", "SamplingStates.__init__",
                 contains=("self.temperature = UvaBackedTensor(max_num_reqs, "
                           "dtype=torch.float32)",)),
