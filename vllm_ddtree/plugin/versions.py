@@ -474,6 +474,11 @@ REQUIREMENTS += (
                 ("logits", "expanded_idx_mapping", "token_ids", "expanded_local_pos",
                  "repetition_penalty", "frequency_penalty", "presence_penalty",
                  "prompt_bin_mask", "output_bin_counts")),
+    # verifier: structured-output rows past what the scheduler checked are marked invalid
+    Requirement(f"{_V2}.structured_outputs", "grammar_invalid_drafts",
+                ("input_batch", "grammar_req_ids", "num_acceptable_drafts"),
+                contains=("return local_pos > row_limit",),
+                why="a chain node whose own row is marked is never accepted"),
     # verifier.TreeBadWords: the words by slot, each row's history from the request's output
     Requirement(f"{_V2}.sample.bad_words", "BadWordsState.__init__",
                 contains=("self.bad_word_token_ids = StagedWriteTensor(",

@@ -95,5 +95,6 @@ class DDTreeSpeculator(DFlashSpeculator):
                 step.trees.reshaped[target][:, None, None], 0.0)
         tree = build_tree(logits.view(num_reqs, depth, -1), self.options.budget,
                           calibration=calibration)
-        if step is not None:
-            self.tree_tokens[:num_reqs] = step.trees.store(slots, tree)
+        if step is not None:  # (first choices: the chains of requests that draft chains)
+            first_choices = logits.view(num_reqs, depth, -1).argmax(dim=-1)
+            self.tree_tokens[:num_reqs] = step.trees.store(slots, tree, first_choices)

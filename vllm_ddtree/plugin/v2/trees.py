@@ -11,8 +11,9 @@ every read and write is one gather or ``index_copy_`` of fixed shape, with no ho
 A request enters its slot with the empty tree (:meth:`SlotTrees.reset`): until the drafter
 writes its first tree, whatever drafts the step verifies for it (placeholders, or zeros) are
 padding nodes, never accepted. A request whose features read a row's history as a chain of
-drafts (see :func:`needs_chain_history`) keeps the empty tree: it is verified with no node,
-so vLLM's own sampler serves its one real row (the root) exactly.
+drafts (see :func:`needs_chain_history`) drafts a chain instead of a tree: the drafter's first
+choice at each depth (what vLLM's ``dflash`` drafts), so every row's history is the chain
+before it, as vLLM's sampler and scheduler read it.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ def needs_chain_history(sampling_params) -> list[str]:
     """The features of a request that vLLM's V2 sampler computes from a row's chain of drafts
     (the rows before it in the request's block): the thinking budget, and structured outputs
     (the scheduler validates drafts as a chain and fills one bitmask row per draft position).
-    Tree rows have a path, not a chain, so such a request is served without draft nodes on V2
-    (its root row is exact). Penalties and bad words are not among them: they read each row's
-    path (``verifier.TreePenalties``, ``verifier.TreeBadWords``). Empty: the request drafts
-    trees."""
+    Tree rows have a path, not a chain, so such a request drafts a chain on V2 (a chain is a
+    tree whose paths are the chains vLLM reads). Penalties and bad words are not among them:
+    they read each row's path (``verifier.TreePenalties``, ``verifier.TreeBadWords``). Empty:
+    the request drafts trees."""
     if sampling_params is None:
         return []
     found = []
@@ -51,14 +52,23 @@ class SlotTrees:
         self.calibrated = calibrated  # trees carry their drafter tops (the calibration's)
         self.empty_slot, self.padding_slot = num_slots, num_slots + 1
         rows = num_slots + 2
-        *_, pad_mask, _ = _verify_constants(budget, depth, device)
+        node, parents, depths, chain_mask, pad_mask, within = _verify_constants(budget, depth,
+                                                                                device)
         self.pad_mask = pad_mask  # [B + 1, W] the ancestor rows of a tree of padding nodes
+        # a chain of min(B, L) nodes (node k at depth k + 1), padding beyond: its parents and
+        # depths [B], scores [B] (0: chains carry no probabilities) and ancestor rows [B + 1, W]
+        self.chain_within = within
+        self.chain_parents = torch.where(within, parents, -1)
+        self.chain_depths = torch.where(within, depths, 0)
+        self.chain_scores = torch.where(within, 0.0, float("-inf"))
+        rows_within = torch.nn.functional.pad(within, (1, 0), value=True)
+        self.chain_mask = torch.where(rows_within[:, None], chain_mask, pad_mask)
         self.nodes = torch.empty(rows, 3, budget, dtype=torch.int64, device=device)
         self.nodes[:, 0], self.nodes[:, 1], self.nodes[:, 2] = PADDING_TOKEN_ID, -1, 0
         self.scores = torch.full((rows, budget), float("-inf"), device=device)
         self.mask = pad_mask.expand(rows, -1, -1).clone()
-        # [S + 2] bool: the slot's request is verified without nodes (needs_chain_history)
-        self.no_tree = torch.zeros(rows, dtype=torch.bool, device=device)
+        # [S + 2] bool: the slot's request drafts chains (needs_chain_history)
+        self.chained = torch.zeros(rows, dtype=torch.bool, device=device)
         # [S + 2] bool: the slot's request samples (T > 0): its trees' calibration row
         self.sampled = torch.zeros(rows, dtype=torch.bool, device=device)
         # [S + 2] bool: the slot's request reshapes the target's law (penalties, a grammar...):
@@ -69,11 +79,11 @@ class SlotTrees:
                                   device=device)
         self.top_probs = torch.zeros(rows, depth, CELLS, device=device)
 
-    def reset(self, slot: int, no_tree: bool, sampled: bool, reshaped: bool = False) -> None:
+    def reset(self, slot: int, chained: bool, sampled: bool, reshaped: bool = False) -> None:
         """A request enters ``slot``: the empty tree until the drafter writes one."""
         for buf in (self.nodes, self.scores, self.mask, self.top_ids, self.top_probs):
             buf[slot] = buf[self.empty_slot]
-        self.no_tree[slot] = no_tree
+        self.chained[slot] = chained
         self.sampled[slot] = sampled
         self.reshaped[slot] = reshaped
 
@@ -81,27 +91,34 @@ class SlotTrees:
         """The rows that a batch's ``slots`` (-1: a padding row) write to."""
         return torch.where(slots < 0, self.padding_slot, slots)
 
-    def store(self, slots: torch.Tensor, tree: DraftTree) -> torch.Tensor:
-        """Keep ``tree`` (row r for slot ``slots[r]``; -1: a padding row) until it is verified.
+    def store(self, slots: torch.Tensor, tree: DraftTree, first_choices: torch.Tensor
+              ) -> torch.Tensor:
+        """Keep ``tree`` (row r for slot ``slots[r]``; -1: a padding row) until it is verified,
+        or for a slot that drafts chains the chain of ``first_choices [R, L]`` (the drafter's
+        argmax at each depth).
 
-        Returns the node tokens ``[R, B]`` the runner stores as the slots' drafts: the tree's,
-        with 0 for padding nodes (they become input ids; the tree marks them padding) and for
-        requests verified without nodes. Device ops only.
+        Returns the node tokens ``[R, B]`` the runner stores as the slots' drafts, with 0 for
+        padding nodes (they become input ids; the tree marks them padding). Device ops only.
         """
         target = self.targets(slots)
-        keep = ~self.no_tree[target]  # [R]
+        chained = self.chained[target]  # [R]
+        width = min(self.budget, self.depth)
+        chain = torch.nn.functional.pad(first_choices[:, :width], (0, self.budget - width),
+                                        value=PADDING_TOKEN_ID)  # [R, B]
+        num_rows = chain.shape[0]
+        chain_nodes = torch.stack([chain, self.chain_parents.expand(num_rows, -1),
+                                   self.chain_depths.expand(num_rows, -1)], dim=1)
         nodes = torch.stack([tree.token_ids, tree.parents, tree.depths], dim=1)  # [R, 3, B]
-        empty = self.empty_slot
-        self.nodes.index_copy_(0, target, torch.where(keep[:, None, None], nodes,
-                                                      self.nodes[empty]))
-        self.scores.index_copy_(0, target, torch.where(keep[:, None], tree.scores,
-                                                       self.scores[empty]))
-        self.mask.index_copy_(0, target, torch.where(keep[:, None, None], tree.ancestor_mask,
-                                                     self.pad_mask))
-        if tree.tops is not None:  # (a request without nodes is never counted)
+        nodes = torch.where(chained[:, None, None], chain_nodes, nodes)
+        self.nodes.index_copy_(0, target, nodes)
+        self.scores.index_copy_(0, target, torch.where(chained[:, None], self.chain_scores,
+                                                       tree.scores))
+        self.mask.index_copy_(0, target, torch.where(chained[:, None, None], self.chain_mask,
+                                                     tree.ancestor_mask))
+        if tree.tops is not None:
             self.top_ids.index_copy_(0, target, tree.tops.token_ids)
             self.top_probs.index_copy_(0, target, tree.tops.probs)
-        return torch.where(keep[:, None] & (tree.depths > 0), tree.token_ids, 0)
+        return torch.where(nodes[:, 2] > 0, nodes[:, 0], 0)
 
     def batch(self, slots: torch.Tensor, num_draft: torch.Tensor, width: int) -> DraftTree:
         """The verify trees of a step: request r verifies the first ``num_draft[r]`` nodes of

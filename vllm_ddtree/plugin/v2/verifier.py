@@ -26,6 +26,8 @@ nodes) are roots of empty trees: their one sample is vLLM's plain decoding token
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
@@ -36,6 +38,7 @@ from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm_ddtree.plugin.state import accepted_moves
 from vllm_ddtree.plugin.v2.model_state import TreeStep
 from vllm_ddtree.sampling import argmax_rows, cached_arange, verify_rows
+from vllm_ddtree.tree import PADDING_TOKEN_ID
 from vllm_ddtree.walk import walk
 
 
@@ -189,8 +192,9 @@ class TreeVerifier:
 
     def __call__(self, logits: torch.Tensor, input_batch, draft_logits=None,
                  invalid_drafts=None) -> SamplerOutput:
-        # (draft_logits: DFlash drafts argmax trees, none; invalid_drafts: the grammar's cut of
-        # a chain, which structured-output requests do not have: they verify no node)
+        # (draft_logits: DFlash drafts argmax trees, none; invalid_drafts: [logits rows] bool,
+        # the rows of structured-output requests whose bitmask was permissive, past what the
+        # scheduler could check of their chains: see below)
         step, sampler = self.step, self.sampler
         verify = step.verify_of(input_batch)
         if verify is None:
@@ -221,6 +225,11 @@ class TreeVerifier:
         num_reqs = input_batch.num_reqs
         cu_num_logits = input_batch.cu_num_logits[: num_reqs + 1]
         rows = verify_rows(cu_num_logits[1:], tree.max_budget)  # [R, W + 1] each tree's rows
+        if invalid_drafts is not None:
+            # a node whose own row was not held to the grammar is never accepted (the token
+            # drawn from its row could break the grammar): as vLLM pins a chain's acceptance
+            tree = dataclasses.replace(tree, token_ids=torch.where(
+                invalid_drafts[rows[:, 1:]], PADDING_TOKEN_ID, tree.token_ids))
         verdict = walk(tree, sampled[rows])
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             (verdict.num_accepted + 1).to(torch.int32), input_batch.seq_lens, cu_num_logits,
