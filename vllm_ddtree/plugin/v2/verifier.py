@@ -57,7 +57,40 @@ def _rows_of(cu_num_logits: np.ndarray, requests: np.ndarray, device: torch.devi
                                         dtype=torch.int64)
 
 
-class TreePenalties:
+class _OnTreeRows:
+    """One of vLLM's V2 logits processors (``state``), in its place in the sampler's list, with
+    tree rows: steps without trees, and requests that do not use it (:meth:`requests`), are
+    vLLM's; the others' rows get :meth:`apply_rows`."""
+
+    def __init__(self, state, step: TreeStep):
+        self.state = state  # vLLM's processor: every request's parameters, by slot
+        self.step = step
+
+    def add_request(self, req_idx: int, sampling_params) -> bool:
+        return self.state.add_request(req_idx, sampling_params)
+
+    def apply_staged_writes(self) -> None:
+        self.state.apply_staged_writes()
+
+    def apply(self, logits: torch.Tensor, ctx) -> torch.Tensor:
+        verify = self.step.verify
+        if verify is None:  # a step without trees: vLLM's
+            return self.state.apply(logits, ctx)
+        requests = self.requests(ctx.idx_mapping_np)
+        if requests.size:
+            self.apply_rows(logits, ctx, verify.tree, requests)
+        return logits
+
+    def requests(self, idx_mapping_np: np.ndarray) -> np.ndarray:
+        """The batch positions of the requests that use the processor (host)."""
+        raise NotImplementedError
+
+    def apply_rows(self, logits, ctx, tree, requests: np.ndarray) -> None:
+        """Process, in place, the rows of ``requests`` (batch positions, host) of ``tree``."""
+        raise NotImplementedError
+
+
+class TreePenalties(_OnTreeRows):
     """vLLM's V2 penalties (``PenaltiesState``, in its place in the sampler's processors) with
     each tree row's own history: the request's output, then its path's tokens.
 
@@ -72,32 +105,20 @@ class TreePenalties:
 
     CHUNK_BYTES = 64 << 20
 
-    def __init__(self, state, step: TreeStep):
-        self.state = state  # vLLM's PenaltiesState: every request's penalties and counts
-        self.step = step
+    def requests(self, idx_mapping_np: np.ndarray) -> np.ndarray:
+        return np.flatnonzero(self.state.use_penalty[idx_mapping_np])
 
-    def add_request(self, req_idx: int, sampling_params) -> bool:
-        return self.state.add_request(req_idx, sampling_params)
-
-    def apply_staged_writes(self) -> None:
-        self.state.apply_staged_writes()
-
-    def apply(self, logits: torch.Tensor, ctx) -> torch.Tensor:
+    def apply_rows(self, logits, ctx, tree, requests: np.ndarray) -> None:
         from vllm.v1.worker.gpu.sample.penalties import apply_penalties
 
-        state, verify = self.state, self.step.verify
-        if verify is None:  # a step without trees: vLLM's
-            return state.apply(logits, ctx)
-        requests = np.flatnonzero(state.use_penalty[ctx.idx_mapping_np])
-        if requests.size == 0:
-            return logits
+        state = self.state
         layout = _rows_of(self.step.input_batch.cu_num_logits_np, requests, logits.device)
         chunk = max(1, self.CHUNK_BYTES // (4 * logits.shape[1]))
         for start in range(0, layout.shape[1], chunk):
             row, req, node = layout[:, start : start + chunk]
             slot = ctx.idx_mapping[req]
             counts = state.output_bin_counts.index_select(0, slot)  # [c, V] the output's
-            path = verify.tree.path_tokens(req, node)  # plus the path's
+            path = tree.path_tokens(req, node)  # plus the path's
             counts.scatter_add_(1, path.clamp(min=0), (path >= 0).to(counts.dtype))
             values = logits.index_select(0, row)
             each = cached_arange(row.shape[0], logits.device)
@@ -107,10 +128,9 @@ class TreePenalties:
                             state.presence_penalty.gpu[slot],
                             state.prompt_bin_mask.index_select(0, slot), counts)
             logits.index_copy_(0, row, values)
-        return logits
 
 
-class TreeBadWords:
+class TreeBadWords(_OnTreeRows):
     """vLLM's V2 bad words (``BadWordsState``, in its place in the sampler's processors) with
     each tree row's own history: a word's last token is banned where the row's path, then its
     request's output, ends with the word's other tokens (``features.row_history``,
@@ -120,27 +140,21 @@ class TreeBadWords:
     requests with bad words and their longest word (kept at :meth:`add_request`)."""
 
     def __init__(self, state, step: TreeStep, max_num_reqs: int):
-        self.state = state  # vLLM's BadWordsState: every request's words, by slot
-        self.step = step
+        super().__init__(state, step)
         self.longest = np.zeros(max_num_reqs, dtype=np.int64)  # per slot: its longest word
 
     def add_request(self, req_idx: int, sampling_params) -> bool:
         words = sampling_params.bad_words_token_ids or ()
         self.longest[req_idx] = max((len(word) for word in words), default=0)
-        return self.state.add_request(req_idx, sampling_params)
+        return super().add_request(req_idx, sampling_params)
 
-    def apply_staged_writes(self) -> None:
-        self.state.apply_staged_writes()
+    def requests(self, idx_mapping_np: np.ndarray) -> np.ndarray:
+        return np.flatnonzero(self.state.num_bad_words.np[idx_mapping_np] > 0)
 
-    def apply(self, logits: torch.Tensor, ctx) -> torch.Tensor:
+    def apply_rows(self, logits, ctx, tree, requests: np.ndarray) -> None:
         from vllm_ddtree.plugin.features import NO_TOKEN, ban_bad_words, row_history
 
-        state, verify = self.state, self.step.verify
-        if verify is None:  # a step without trees: vLLM's
-            return state.apply(logits, ctx)
-        requests = np.flatnonzero(state.num_bad_words.np[ctx.idx_mapping_np] > 0)
-        if requests.size == 0:
-            return logits
+        state = self.state
         slots_np = ctx.idx_mapping_np[requests]
         width = max(int(self.longest[slots_np].max()) - 1, 1)  # the longest prefix
         num_words = int(state.num_bad_words.np[slots_np].max())
@@ -170,12 +184,11 @@ class TreeBadWords:
         position = total[:, None] - 1 - back  # the output, newest first
         output = req_states.all_token_ids.gpu[row_slot].gather(1, position.clamp(min=0))
         output = torch.where(position >= first[:, None], output.long(), NO_TOKEN)
-        history = row_history(verify.tree.path_tokens(request, node), output, width)
+        history = row_history(tree.path_tokens(request, node), output, width)
         values = logits.index_select(0, row)
         ban_bad_words(values, history, request, word_request.flatten(), last.flatten(),
                       (length - 1).flatten(), prefix.flatten(0, 1))
         logits.index_copy_(0, row, values)
-        return logits
 
 
 def _host_seq_lens(input_batch):
