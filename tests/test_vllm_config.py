@@ -625,3 +625,29 @@ def test_thinking_budget_passes_validation(spec_configs):
     params = SamplingParams(**GREEDY, thinking_token_budget=8)
     for config in (None, dflash, tree):
         params._validate_spec_decode(config)
+
+
+def test_which_requests_reshape_the_target():
+    """known_params.reshapes_target: the requests the trees' calibration leaves out. A request
+    from vLLM's OpenAI server with no feature set (it sends ``bad_words=[]`` and its other
+    defaults) is plain; each feature that reshapes the target's law counts, alone; temperature,
+    top-k/p, seeds, logprobs and stop tokens do not."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    from vllm_ddtree.plugin.known_params import reshapes_target
+
+    def served(**fields):  # the server's own SamplingParams for a completion request
+        return CompletionRequest(model="m", prompt="p", **fields).to_sampling_params(16)
+
+    assert not reshapes_target(served())
+    assert not reshapes_target(served(temperature=0.7, top_p=0.9, top_k=5, seed=3,
+                                      logprobs=2, stop_token_ids=[7]))
+    for fields in (dict(presence_penalty=0.5), dict(frequency_penalty=0.1),
+                   dict(repetition_penalty=1.1), dict(logit_bias={"5": -1.0}),
+                   dict(bad_words=["x"]), dict(min_tokens=4),
+                   dict(allowed_token_ids=[1, 2])):
+        assert reshapes_target(served(**fields)), fields
+    assert reshapes_target(SamplingParams(
+        structured_outputs=StructuredOutputsParams(regex="[a-z]+")))
+    assert not reshapes_target(SamplingParams(bad_words=[], logit_bias={}))

@@ -109,10 +109,16 @@ def reshapes_target(params) -> bool:
     grammar... turn the target away from what the drafter predicts, each in its own way, so
     the trees' calibration (``vllm_ddtree/calibration.py``) leaves such a request out: it
     does not learn from its steps (they would reshape every other request's trees) and its
-    trees are DDTree's (what the plain requests taught need not hold for it)."""
-    return params is not None and any(
-        not _is_default(getattr(params, name, None), _default(params, name))
-        for name in RESHAPING)
+    trees are DDTree's (what the plain requests taught need not hold for it). An empty value
+    sets nothing: vLLM's OpenAI server sends ``bad_words=[]`` with every request."""
+    if params is None:
+        return False
+    for name in RESHAPING:
+        value = getattr(params, name, None)
+        empty = value is None or (isinstance(value, (list, tuple, dict, set)) and not value)
+        if not empty and not _is_default(value, _default(params, name)):
+            return True
+    return False
 
 
 def reshaping(requests: dict, req_ids) -> list[bool]:
