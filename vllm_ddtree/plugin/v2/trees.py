@@ -57,7 +57,6 @@ class SlotTrees:
         self.pad_mask = pad_mask  # [B + 1, W] the ancestor rows of a tree of padding nodes
         # a chain of min(B, L) nodes (node k at depth k + 1), padding beyond: its parents and
         # depths [B], scores [B] (0: chains carry no probabilities) and ancestor rows [B + 1, W]
-        self.chain_within = within
         self.chain_parents = torch.where(within, parents, -1)
         self.chain_depths = torch.where(within, depths, 0)
         self.chain_scores = torch.where(within, 0.0, float("-inf"))
