@@ -29,6 +29,9 @@ PROMPTS = [*_TINY_PROMPTS, "def parse_args(argv):\n    parser = argparse.Argumen
            "    return self."]
 SEEDED = dict(temperature=0.8, top_p=0.9, top_k=50)
 STRUCTURED_REGEX = r"[a-z ]{40,80}\."
+# the law job: LAW_REQUESTS requests of one prompt at T = 1 (no seed: independent draws), 3
+# tokens each, whose joint law tests/test_vllm_sampling.py computes exactly
+LAW_PROMPT, LAW_REQUESTS = "    def __init__(self", 600
 FEATURES = [dict(presence_penalty=0.8, frequency_penalty=0.4, repetition_penalty=1.2, logprobs=2),
             dict(bad_words=["self", " in"], ignore_eos=True),
             dict(min_tokens=48, stop_token_ids=[202, 286], logprobs=3),
@@ -49,8 +52,10 @@ def jobs(max_tokens: int, short: bool = False, names: list[str] | None = None):
     repetition penalties and logprobs, even ones greedy, odd ones seeded; ``biased`` (only
     where named): every prompt at T = 0 with a small ``logit_bias`` on token 5; ``bad_words``
     (only where named): bad words of 2 and 3 tokens that plain outputs hold, even prompts
-    greedy, odd ones seeded. ``short``: without the reversed greedy pass and the runs alone (a second policy on
-    the same layout), with the features and structured jobs. ``names``: only these jobs
+    greedy, odd ones seeded; ``law`` (only where named): :data:`LAW_REQUESTS` requests of
+    :data:`LAW_PROMPT` at T = 1, 3 tokens each. ``short``: without the reversed greedy pass
+    and the runs alone (a second policy on the same layout), with the features and structured
+    jobs. ``names``: only these jobs
     (``alone`` for the runs alone), in the order above."""
     common = dict(max_tokens=max_tokens, ignore_eos=True)
 
@@ -75,6 +80,9 @@ def jobs(max_tokens: int, short: bool = False, names: list[str] | None = None):
     def biased(i):  # a feature that reshapes the target's law (known_params.reshapes_target)
         return dict(greedy(i), logit_bias={5: -1.0})
 
+    def law(i):  # T = 1, no top-k / top-p, no seed: tests/test_vllm_sampling.py's "t1"
+        return dict(max_tokens=3, ignore_eos=True, temperature=1.0, top_k=0, top_p=1.0)
+
     def structured(i):  # a grammar along the trees (grammar.py), greedy
         from vllm.sampling_params import StructuredOutputsParams
 
@@ -92,7 +100,8 @@ def jobs(max_tokens: int, short: bool = False, names: list[str] | None = None):
               *((f"alone_{i}", [i], seeded) for i in odd),
               ("pairs", [odd[1], 0, odd[0], 2, odd[3], odd[2]], mixed),
               ("staggered", everyone, greedy), ("penalties", everyone, penalties),
-              ("biased", everyone, biased), ("bad_words", everyone, bad_words)]
+              ("biased", everyone, biased), ("bad_words", everyone, bad_words),
+              ("law", list(range(LAW_REQUESTS)), law)]
     for job in listed:
         if job[0] in names or (job[0].startswith("alone_") and "alone" in names):
             yield job
@@ -187,7 +196,7 @@ def _run(llm, job_list, result: dict, log) -> None:
     result["job_acceptance_length"] = {}
     for name, indices, params in job_list:
         before = _draft_counts(llm)
-        prompts = [PROMPTS[i] for i in indices]
+        prompts = [LAW_PROMPT if name == "law" else PROMPTS[i] for i in indices]
         sampling = [SamplingParams(**params(i)) for i in indices]
         if name == "staggered":
             outs, rounds = _staggered(llm, prompts, sampling)
@@ -253,6 +262,7 @@ def main() -> None:
     parser.add_argument("--max-batched-tokens", type=int, default=0,
                         help="max_num_batched_tokens (0: vLLM's default); small: chunked prefill")
     parser.add_argument("--model", default=None, help="the target (default: the tiny pair's)")
+    parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--check-host-sync", action="store_true",
                         help="run the jobs under tests/sync_checker.py's NoHostSync, judging "
                              "the V2 tree step's code (V2_STEP_FILES); one process, one thread")
@@ -273,7 +283,7 @@ def main() -> None:
     if args.model:
         extra["model"] = args.model
     llm = make_llm(spec, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
-                   max_num_seqs=8, **extra)
+                   max_num_seqs=args.max_num_seqs, **extra)
     print("engine ready", flush=True)
     names = args.jobs.split(",") if args.jobs else None
     checker = None

@@ -9,13 +9,17 @@ import torch
 from lossless_utils import TableModel, chi_square_pvalue, max_abs_diff
 
 from vllm_ddtree.sampling import (
+    KeyedNoise,
     SamplingBatch,
     hsd_stop_probabilities,
     hsd_verify,
+    hsd_verify_rows,
     hsd_verify_sparse,
+    keyed_chain,
     pack_sparse_law,
     sparse_hsd_residual,
     sparse_hsd_stop_probabilities,
+    seed_keys_of,
     tokenwise_verify,
     top_k_draft_law,
     unpack_sparse_law,
@@ -297,6 +301,47 @@ def test_sparse_verifier_monte_carlo():
     """:func:`hsd_verify_sparse` (sampling, stop scan, residual draw) on 2e5 rows against the
     exact law, as for the dense verifiers above."""
     test_batched_verifier_monte_carlo(_hsd_verify_sparse_full_support, _hsd_law)
+
+
+def test_keyed_chains_verified_on_flat_rows_monte_carlo():
+    """Model Runner V2's hsd_chain, its randomness included: 2e5 requests, one seed each
+    (negative ones too), draw their chains with :func:`keyed_chain` from per-depth drafter
+    laws (DFlash's: a depth's law does not depend on the drafts before it) and verify them
+    with :func:`hsd_verify_rows` on flat target rows with :class:`KeyedNoise`. The joint law
+    of (chain, num_accepted, next token) fits the exact one (chi-square p > 1e-4): the drafts'
+    noise and the verify step's are independent, and the flat-row plumbing is HSD's."""
+    vocab, g, n = 3, 3, 200_000
+    target = TableModel(vocab, g + 2, seed=31, scale=1.2)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.rand(g, vocab, generator=gen, dtype=torch.float64) + 0.1
+    q = (q / q.sum(-1, keepdim=True)).float()  # the law as the drafter hands it, float32
+    chains_all = torch.tensor(list(itertools.product(range(vocab), repeat=g)))  # [V^g, g]
+    q_seq = q.double()[torch.arange(g), chains_all].prod(-1)
+    p_all = target.processed(_T1)
+    target_all = torch.stack([torch.stack([p_all[target.index[tuple(x[:i])]]
+                                           for i in range(g + 1)]) for x in chains_all.tolist()])
+    seed_keys = seed_keys_of(torch.arange(n, dtype=torch.int64) * 7919 - 50_000)
+    positions = torch.full((n,), 41)
+    laws = q.expand(n, g, vocab), torch.arange(vocab).expand(n, g, vocab)
+    chains = keyed_chain(*laws, seed_keys, positions)
+    pick = (chains * vocab ** torch.arange(g - 1, -1, -1)).sum(-1)  # its row of chains_all
+    flat = target_all[pick].reshape(n * (g + 1), vocab)
+    num_acc, out = hsd_verify_rows(lambda index: flat.index_select(0, index), vocab,
+                                   torch.arange(n * (g + 1)).view(n, g + 1), chains, *laws,
+                                   KeyedNoise(seed_keys, positions))
+    nxt = out.gather(1, num_acc[:, None]).squeeze(1)
+    counts = Counter(zip(pick.tolist(), num_acc.tolist(), nxt.tolist()))
+    law = _hsd_law(chains_all, q.double().expand(len(chains_all), g, vocab),
+                   target_all) * q_seq[:, None, None]
+    exact = {(r, i, y): float(law[r, i, y]) for r in range(len(chains_all))
+             for i in range(g + 1) for y in range(vocab)}
+    assert chi_square_pvalue(counts, exact, n) > 1e-4
+    # the same seeds and positions draw the same chains and verdicts (no hidden state)
+    again = hsd_verify_rows(lambda index: flat.index_select(0, index), vocab,
+                            torch.arange(n * (g + 1)).view(n, g + 1), chains, *laws,
+                            KeyedNoise(seed_keys, positions))
+    assert torch.equal(keyed_chain(*laws, seed_keys, positions), chains)
+    assert torch.equal(again[1], out)
 
 
 def test_hsd_verify_sparse_consumes_the_generator_like_the_dense_one():

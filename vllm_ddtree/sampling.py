@@ -55,6 +55,7 @@ __all__ = [
     "row_chunks",
     "DRAFT_LAW_TOP_K",
     "top_k_draft_law",
+    "keyed_chain",
     "pack_sparse_law",
     "unpack_sparse_law",
     "deepest_stop",
@@ -69,7 +70,13 @@ __all__ = [
     "processed_probs_of_rows",
     "mix32",
     "seed_key",
+    "seed_keys_of",
+    "stream_keys",
+    "keyed_uniform",
     "keyed_exponential",
+    "HsdNoise",
+    "GeneratorNoise",
+    "KeyedNoise",
 ]
 
 SAMPLING_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
@@ -436,23 +443,46 @@ def seed_key(seed: int) -> int:
     return mix32(mix32(seed & _M32) ^ (seed >> 32))
 
 
+def seed_keys_of(seeds: torch.Tensor) -> torch.Tensor:
+    """:func:`seed_key` of every value of an int64 tensor (two's complement: -1 is 2**64 - 1),
+    on its device."""
+    return mix32(mix32(seeds & _M32) ^ ((seeds >> 32) & _M32))
+
+
+# the streams of a seeded request's noise besides its target rows' (stream_keys' salts)
+DRAFT_STREAM, ETA_STREAM, RESIDUAL_STREAM = 0x5EED0001, 0x5EED0002, 0x5EED0003
+
+
+def stream_keys(seed_keys: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
+    """The 32-bit key of the noise of ``stream`` (one of ``*_STREAM``) at ``positions``, of the
+    requests with ``seed_keys``: apart from :func:`keyed_exponential`'s, and from each
+    other's."""
+    return mix32(mix32((seed_keys ^ (positions.long() & _M32)) & _M32) ^ stream)
+
+
+def keyed_uniform(keys: torch.Tensor, width: int) -> torch.Tensor:
+    """``[n, width]`` float64 uniforms in (0, 1), a function of ``keys [n]`` (32-bit values,
+    int64) only: column c of row i is ``(mix32(mix32(c ^ 0x9E3779B9) ^ keys[i]) + 0.5) / 2**32``."""
+    device = keys.device
+    column = mix32(torch.arange(width, dtype=torch.int64, device=device) ^ 0x9E3779B9)
+    bits = mix32(column[None, :] ^ keys[:, None])
+    return (bits.double() + 0.5) * (1.0 / 4294967296.0)
+
+
 def keyed_exponential(seed_keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """``[n, vocab]`` float32 Exp(1) noise of row i: a function of ``(seed_keys[i],
     positions[i])`` only (int64 tensors of n values, :func:`seed_key` and the absolute position
     of the token being sampled), on their device, without a host synchronisation.
 
-    Each row hashes every vocabulary index with its key: ``u = (mix32(mix32(v ^ c) ^ key) + 0.5)
-    / 2**32`` with ``key = mix32(seed_key ^ position)``, then ``-log(u)``. The exponential race
-    ``argmax(p / E)`` with this noise is a sample from ``p`` whose randomness belongs to the
-    position, not to the order of draws: whatever rows a step verifies (tree, chain, none),
-    the token emitted at a position of a seeded request is drawn with that position's noise.
+    Each row hashes every vocabulary index with its key (:func:`keyed_uniform` with ``key =
+    mix32(seed_key ^ position)``), then ``-log(u)``. The exponential race ``argmax(p / E)``
+    with this noise is a sample from ``p`` whose randomness belongs to the position, not to
+    the order of draws: whatever rows a step verifies (tree, chain, none), the token emitted
+    at a position of a seeded request is drawn with that position's noise.
     """
     device = positions.device
     key = mix32((seed_keys.to(device) ^ (positions.long() & _M32)) & _M32)
-    vocab_key = mix32(torch.arange(vocab, dtype=torch.int64, device=device) ^ 0x9E3779B9)
-    bits = mix32(vocab_key[None, :] ^ key[:, None])
-    uniform = (bits.double() + 0.5) * (1.0 / 4294967296.0)
-    return (-uniform.log()).float()
+    return (-keyed_uniform(key, vocab).log()).float()
 
 
 def processed_probs_of_rows(logits: torch.Tensor, index: torch.Tensor, rows: RowSampling,
@@ -658,6 +688,22 @@ def top_k_draft_law(
     return torch.where(greedy[:, None, None], point, probs), ids
 
 
+def keyed_chain(draft_probs: torch.Tensor, draft_ids: torch.Tensor, seed_keys: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+    """A chain drawn from a sparse law (:func:`top_k_draft_law`: ``draft_probs``, ``draft_ids``
+    ``[R, g, K]``), one token per depth, with noise that is a function of each request's seed
+    (``seed_keys [R]``, :func:`seed_keys_of`) and the drafting step's position (``positions
+    [R]``: the last committed token's, which every drafting step of a request moves forward)
+    only: :data:`DRAFT_STREAM`, apart from the verify step's (:class:`KeyedNoise`). Returns
+    ``[R, g]`` int64. A point mass (a greedy request's law) draws its first token."""
+    num_reqs, g, k = draft_probs.shape
+    keys = stream_keys(seed_keys, positions, DRAFT_STREAM)
+    depth_keys = mix32(keys[:, None] ^ torch.arange(g, dtype=torch.int64, device=keys.device))
+    noise = -keyed_uniform(depth_keys.flatten(), k).log().view(num_reqs, g, k)
+    pick = (draft_probs.double() / noise).argmax(dim=-1, keepdim=True)
+    return draft_ids.gather(2, pick).squeeze(2)
+
+
 def pack_sparse_law(probs: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
     """``(probs [..., K] float32, ids [..., K] int64)`` -> ONE ``[..., 2K]`` float32 tensor,
     probabilities then ids (exact in float32 below 2**24), so that the law travels as one
@@ -790,31 +836,85 @@ def hsd_verify_sparse(
     return level, chain_output(draft_token_ids, level, next_token)
 
 
+class HsdNoise(Protocol):
+    """Where :func:`hsd_verify_rows` draws its randomness: g + 1 uniforms per request (the
+    stop levels'), then one Exp(1) per vocabulary entry for the requests' next tokens."""
+
+    def uniforms(self, num_reqs: int, width: int, device: torch.device) -> torch.Tensor:
+        """``[num_reqs, width]`` float64 uniforms in (0, 1)."""
+
+    def exponentials(self, start: int, end: int, vocab: int, device: torch.device
+                     ) -> torch.Tensor:
+        """``[end - start, vocab]`` float32 Exp(1) noise of requests ``start .. end - 1``."""
+
+
+class GeneratorNoise:
+    """HSD's randomness from torch generators (the V1 runner): the default one, or a request's
+    own (``generators``: request -> generator), whose stream holds g + 1 uniforms then V
+    exponentials per verify step."""
+
+    def __init__(self, generators: dict[int, torch.Generator] | None = None):
+        self.generators = generators or {}
+
+    def uniforms(self, num_reqs: int, width: int, device: torch.device) -> torch.Tensor:
+        eta = torch.rand((num_reqs, width), dtype=torch.float64, device=device)
+        # NOTE: a Python loop over the seeded requests, as in vLLM's sampler: host work only.
+        for r, gen in self.generators.items():
+            eta[r] = torch.rand(width, dtype=torch.float64, device=device, generator=gen)
+        return eta
+
+    def exponentials(self, start: int, end: int, vocab: int, device: torch.device
+                     ) -> torch.Tensor:
+        seeded = {r - start: gen for r, gen in self.generators.items() if start <= r < end}
+        return _exponential_noise((end - start, vocab), device, seeded)
+
+
+class KeyedNoise:
+    """HSD's randomness as a function of each request's seed and its verify step's root
+    position only (Model Runner V2, where every request has a seed and no generator): the
+    uniforms of :func:`stream_keys` with :data:`ETA_STREAM`, the exponentials with
+    :data:`RESIDUAL_STREAM`. A root position is verified once, so every step draws afresh.
+    ``seed_keys [R]``: :func:`seed_keys_of`; ``positions [R]``: the roots' positions."""
+
+    def __init__(self, seed_keys: torch.Tensor, positions: torch.Tensor):
+        self.seed_keys, self.positions = seed_keys, positions
+
+    def uniforms(self, num_reqs: int, width: int, device: torch.device) -> torch.Tensor:
+        return keyed_uniform(stream_keys(self.seed_keys, self.positions, ETA_STREAM), width)
+
+    def exponentials(self, start: int, end: int, vocab: int, device: torch.device
+                     ) -> torch.Tensor:
+        keys = stream_keys(self.seed_keys[start:end], self.positions[start:end],
+                           RESIDUAL_STREAM)
+        return (-keyed_uniform(keys, vocab).log()).float()
+
+
 def hsd_verify_rows(
-    logits: torch.Tensor,  # [T, V] flat verify rows
+    target_probs_of: Callable[[torch.Tensor], torch.Tensor],
+    vocab: int,
     rows_index: torch.Tensor,  # [R, g + 1] flat row of each request's root and nodes
     draft_token_ids: torch.Tensor,  # [R, g]
     draft_probs: torch.Tensor,  # [R, g, K]
     draft_ids: torch.Tensor,  # [R, g, K]
-    rows: RowSampling,
-    mask_op: MaskOp,
-    generators: dict[int, torch.Generator] | None = None,
-) -> torch.Tensor:
-    """:func:`hsd_verify_sparse` on vLLM's flat logits, one :func:`row_chunks` chunk at a time.
+    noise: HsdNoise,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`hsd_verify_sparse` on a runner's flat verify rows, one :func:`row_chunks` chunk
+    at a time. ``target_probs_of(index [n]) -> [n, vocab]`` float64: the processed target law
+    of flat rows (callers' processing: the V1 runner's :func:`processed_probs_of_rows`, V2's
+    sampler); ``noise``: where the uniforms and the next tokens' noise come from
+    (:class:`GeneratorNoise`, :class:`KeyedNoise`).
 
     The target law is computed for a chunk of (request, position) rows and kept only where the
     stop probabilities need it (the K support tokens, the draft, the mass off the support);
     after the scan it is computed in full for one row per request, the stop level's, to draw
-    the next token. No ``[R, g + 1, V]`` tensor is made. ``generators``: request -> generator
-    for the requests whose uniforms and residual draw come from their own generator (g + 1
-    uniforms, then V exponentials, as :func:`hsd_verify`); the others use the default one.
+    the next token. No ``[R, g + 1, V]`` tensor is made.
 
-    Returns ``[R, g + 1]`` int64 in vLLM's layout (:func:`chain_output`).
+    Returns ``(num_accepted [R] int64, output_tokens [R, g + 1] int64)`` in vLLM's layout
+    (:func:`chain_output`).
     """
     _check_sparse_chain(draft_token_ids, draft_probs, draft_ids)
     num_reqs, g = draft_token_ids.shape
-    vocab, device = logits.shape[1], logits.device
-    generators = generators or {}
+    device = rows_index.device
     ids = draft_ids.long()
     support = ids.view(num_reqs * g, -1)  # [R g, K]
     drafts = draft_token_ids.long().reshape(-1)  # [R g]
@@ -823,18 +923,14 @@ def hsd_verify_rows(
     off_support = torch.empty(num_reqs * g, dtype=torch.float64, device=device)
     on_draft = torch.empty(num_reqs * g, dtype=torch.float64, device=device)
     for start, end in row_chunks(num_reqs * g, vocab):
-        probs = processed_probs_of_rows(logits, position_rows[start:end], rows, mask_op)
+        probs = target_probs_of(position_rows[start:end])
         on_support[start:end], off_support[start:end], on_draft[start:end] = _target_at_support(
             probs, support[start:end], drafts[start:end])
         del probs
     h, prefix = sparse_hsd_stop_probabilities(
         draft_token_ids, draft_probs, ids, on_support.view(num_reqs, g, -1),
         off_support.view(num_reqs, g), on_draft.view(num_reqs, g))
-    eta = torch.rand((num_reqs, g + 1), dtype=torch.float64, device=device)
-    # NOTE: a Python loop over the seeded requests, as in vLLM's sampler: host work only.
-    for r, gen in generators.items():
-        eta[r] = torch.rand(g + 1, dtype=torch.float64, device=device, generator=gen)
-    level = deepest_stop(h, eta)  # [R] drafts accepted
+    level = deepest_stop(h, noise.uniforms(num_reqs, g + 1, device))  # [R] drafts accepted
     at = level.clamp(max=g - 1)[:, None, None].expand(-1, 1, ids.shape[2])
     q_at, ids_at = draft_probs.gather(1, at).squeeze(1), ids.gather(1, at).squeeze(1)  # [R, K]
     prefix_at = prefix.gather(1, level[:, None]).squeeze(1)
@@ -842,9 +938,9 @@ def hsd_verify_rows(
     next_token = torch.empty(num_reqs, dtype=torch.int64, device=device)
     for start, end in row_chunks(num_reqs, vocab):
         residual = sparse_hsd_residual(
-            prefix_at[start:end], processed_probs_of_rows(logits, stop_rows[start:end], rows, mask_op),
-            q_at[start:end], ids_at[start:end], level[start:end] == g)
-        seeded = {r - start: gen for r, gen in generators.items() if start <= r < end}
-        next_token[start:end] = sample_from_probs(residual.float(), seeded)
-        del residual
-    return chain_output(draft_token_ids, level, next_token)
+            prefix_at[start:end], target_probs_of(stop_rows[start:end]), q_at[start:end],
+            ids_at[start:end], level[start:end] == g)
+        noise_chunk = noise.exponentials(start, end, vocab, device)
+        next_token[start:end] = (residual.float() / noise_chunk).argmax(dim=-1)
+        del residual, noise_chunk
+    return level, chain_output(draft_token_ids, level, next_token)

@@ -376,7 +376,7 @@ def _wrap_v2_unsupported(original):
         options = ddtree_options(self)
         if options is not None and options.runner == "v1":
             # what ddtree serves on the V1 runner only (options.v1_only); vLLM then picks V1
-            reason = v1_only(options.mode, options.budget_policy,
+            reason = v1_only(options.budget_policy,
                              self.parallel_config.pipeline_parallel_size,
                              self.parallel_config.data_parallel_size)
             if reason is not None:

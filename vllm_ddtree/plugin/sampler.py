@@ -52,11 +52,13 @@ from vllm.v1.sample.sampler import Sampler
 from vllm_ddtree.plugin.features import TreeFeatures
 from vllm_ddtree.plugin.state import TreeState, to_device
 from vllm_ddtree.sampling import (
+    GeneratorNoise,
     RowSampling,
     SamplingBatch,
     cached_arange,
     hsd_verify_rows,
     keyed_exponential,
+    processed_probs_of_rows,
     row_chunks,
     sample_rows,
     seed_key,
@@ -207,8 +209,10 @@ class TreeRejectionSampler(nn.Module):
             probs_q, ids_q = law if len(law) == 2 else unpack_sparse_law(law[0])
             if rows_index is None:
                 rows_index = verify_rows(metadata.cu_num_sampled_tokens, width)
-            hsd_out = hsd_verify_rows(logits, rows_index, tree.token_ids.clamp(min=0), probs_q,
-                                      ids_q, rows, apply_top_k_top_p, seeded)
+            _, hsd_out = hsd_verify_rows(
+                lambda index: processed_probs_of_rows(logits, index, rows, apply_top_k_top_p),
+                logits.shape[1], rows_index, tree.token_ids.clamp(min=0), probs_q, ids_q,
+                GeneratorNoise(seeded))
             out = torch.where(use_hsd[:, None], hsd_out[:, :out.shape[1]], out)
             state.verdict = None
         if dummy:  # no tree left behind for a later dummy forward's attention to read

@@ -423,6 +423,7 @@ REQUIREMENTS += (
                  "num_tokens_across_dp", "cudagraph_runtime_mode"),
                 contains=("sample_hidden_states = last_hidden_states[self.sample_indices"
                           "[:num_sample]]",
+                          "self.sample_pos[:num_sample] - 1,",
                           "self.sample_idx_mapping[:num_sample],"),
                 why="overridden: the sample rows' logits build the tree"),
     Requirement(_V2_DFLASH, "DFlashSpeculator._num_graph_context_tokens", ("num_reqs",)),
@@ -493,7 +494,29 @@ REQUIREMENTS += (
                 contains=("bad_words_token_ids = sampling_params.bad_words_token_ids",)),
     Requirement(f"{_V2}.sample.states", "SamplingStates.__init__",
                 contains=("self.temperature = UvaBackedTensor(max_num_reqs, "
-                          "dtype=torch.float32)",)),
+                          "dtype=torch.float32)",
+                          "self.seeds = UvaBackedTensor(max_num_reqs, dtype=torch.int64)")),
+    # hsd_chain: the verifier samples by vLLM's unfused path, whose logits hold each row's
+    # law (HSD reads it); the noise is keyed by each request's seed (every request has one)
+    Requirement(f"{_V2}.sample.sampler", "Sampler.apply_sampling_params",
+                ("logits", "expanded_idx_mapping", "idx_mapping", "idx_mapping_np", "pos",
+                 "input_ids", "expanded_local_pos", "seq_lens_upper_bound_np",
+                 "skip_top_k_top_p"),
+                contains=("return self.sampling_states.apply_top_k_top_p( logits, "
+                          "expanded_idx_mapping, idx_mapping_np )",)),
+    Requirement(f"{_V2}.sample.sampler", "Sampler._sample_random",
+                contains=("sampled = gumbel_sample( processed_logits, "
+                          "expanded_idx_mapping, self.sampling_states.temperature.gpu, "
+                          "self.sampling_states.seeds.gpu, pos, apply_temperature=False, "
+                          "is_drafting=False, use_fp64=self.use_fp64_gumbel, )",),
+                why="the verifier's hsd_chain path is this one, unfused"),
+    Requirement(f"{_V2}.sample.gumbel", "gumbel_sample",
+                ("logits", "expanded_idx_mapping", "temperature", "seed", "pos",
+                 "apply_temperature", "is_drafting")),
+    Requirement(f"{_V2}.spec_decode.speculator", "DraftModelSpeculator.__init__",
+                contains=("self.seeds = torch.zeros(self.max_num_reqs, dtype=torch.int64, "
+                          "device=device)",),
+                why="hsd_chain draws a request's chain with its temperature and seed"),
     Requirement(f"{_V2}.sample.logprob", "compute_topk_scores",
                 ("logits", "num_logprobs", "sampled_token_ids", "cu_num_logits",
                  "logprob_token_ids_state", "expanded_idx_mapping", "max_per_req_token_ids",

@@ -37,18 +37,19 @@ from vllm_ddtree.plugin.known_params import reshapes_target
 from vllm_ddtree.plugin.options import DDTreeConfigError, DDTreeOptions
 from vllm_ddtree.plugin.state import VerifyBatch
 from vllm_ddtree.plugin.v2.trees import SlotTrees, needs_chain_history
-from vllm_ddtree.sampling import cached_arange, verify_rows
+from vllm_ddtree.sampling import DRAFT_LAW_TOP_K, cached_arange, verify_rows
 
 
 class TreeStep:
     """The tree state of one V2 runner, shared by its model state, verifier and speculator."""
 
     def __init__(self, options: DDTreeOptions, max_num_reqs: int, max_num_tokens: int,
-                 device: torch.device):
+                 vocab_size: int, device: torch.device):
         self.options = options
         self.device = device
+        law_width = min(DRAFT_LAW_TOP_K, vocab_size) if options.mode == "hsd_chain" else 0
         self.trees = SlotTrees(max_num_reqs, options.budget, options.depth, device,
-                               options.calibrate_trees)
+                               options.calibrate_trees, law_width)
         # trees by observed acceptance (vllm_ddtree/calibration.py)
         self.calibration = (TreeCalibration(options.depth, device) if options.calibrate_trees
                             else None)
@@ -128,7 +129,8 @@ class TreeModelState:
         from vllm_ddtree.plugin.options import ddtree_options
 
         self.ddtree = TreeStep(ddtree_options(vllm_config), self.max_num_reqs,
-                               self.max_num_tokens, device)
+                               self.max_num_tokens, vllm_config.model_config.get_vocab_size(),
+                               device)
         self._builders_bound = False
 
     def add_request(self, req_index: int, new_req_data) -> None:

@@ -7,7 +7,9 @@ the L per-position distributions go to :func:`vllm_ddtree.tree.build_tree`, and 
 tokens (best-first: any prefix is a subtree) become the request's drafts; the tree's structure
 goes to the request's slot (:class:`~vllm_ddtree.plugin.v2.trees.SlotTrees`), where the next
 step's model state finds it. The tree build is device work of fixed shape, so it runs inside
-the drafter's CUDA graph like DFlash's sampling does.
+the drafter's CUDA graph like DFlash's sampling does. In ``hsd_chain`` mode the drafts are a
+chain sampled from the drafter's law at each request's temperature
+(:meth:`DDTreeSpeculator._sample_chain`).
 
 The drafter's context: DFlash keeps the K/V of the committed text in its own cache, rebuilt
 each step from the target's auxiliary hidden states of the step's rows, taking a request's
@@ -26,6 +28,7 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree.plugin.options import ddtree_options
+from vllm_ddtree.sampling import keyed_chain, seed_keys_of, top_k_draft_law
 from vllm_ddtree.tree import build_tree
 
 
@@ -87,14 +90,35 @@ class DDTreeSpeculator(DFlashSpeculator):
         step = self.step  # None: memory profiling, before the K/V caches exist
         # each request's slot (-1 for a padding row: its tree goes nowhere)
         slots = self.sample_idx_mapping[:num_sample].view(num_reqs, depth)[:, 0]
+        logits = logits.view(num_reqs, depth, -1)
+        if self.options.mode == "hsd_chain":
+            chain, law = self._sample_chain(logits, slots, num_sample)
+            if step is not None:
+                self.tree_tokens[:num_reqs] = step.trees.store(slots, None, chain, law)
+            return
         calibration = None
         if step is not None and step.calibration is not None:
             target = step.trees.targets(slots)
             # (a request whose features reshape the target's law gets DDTree's tree)
             calibration = step.calibration.log_factors(step.trees.sampled[target]).masked_fill_(
                 step.trees.reshaped[target][:, None, None], 0.0)
-        tree = build_tree(logits.view(num_reqs, depth, -1), self.options.budget,
-                          calibration=calibration)
-        if step is not None:  # (first choices: the chains of requests that draft chains)
-            first_choices = logits.view(num_reqs, depth, -1).argmax(dim=-1)
-            self.tree_tokens[:num_reqs] = step.trees.store(slots, tree, first_choices)
+        tree = build_tree(logits, self.options.budget, calibration=calibration)
+        if step is not None:  # (first choices: the chains of requests that draft chains;
+            # a calibrated tree's drafter tops hold them, ranked as argmax breaks ties)
+            first = (logits.argmax(dim=-1) if tree.tops is None
+                     else tree.tops.token_ids[..., 0])
+            self.tree_tokens[:num_reqs] = step.trees.store(slots, tree, first)
+
+    def _sample_chain(self, logits: torch.Tensor, slots: torch.Tensor, num_sample: int):
+        """``hsd_chain``: each request's chain of B tokens drawn from the drafter's law at its
+        temperature (:func:`~vllm_ddtree.sampling.top_k_draft_law`, a point mass for a greedy
+        request: its argmax chain), with noise keyed by its seed and the drafting step's
+        position (:func:`~vllm_ddtree.sampling.keyed_chain`); returns ``(chain [R, B], law)``,
+        the law ``(probs, ids) [R, B, K]`` the verify step's HSD reads."""
+        slot = slots.clamp(min=0)  # (a padding row's values go to the padding slot)
+        probs, ids = top_k_draft_law(logits[:, : self.options.budget], self.temperature[slot])
+        # sample_pos: each query's predicted position; the block's first predicts P + 1, P
+        # the last committed token's
+        committed = self.sample_pos[:num_sample].view(logits.shape[0], -1)[:, 0] - 1
+        chain = keyed_chain(probs, ids, seed_keys_of(self.seeds[slot]), committed)
+        return chain, (probs, ids)

@@ -13,7 +13,8 @@ writes its first tree, whatever drafts the step verifies for it (placeholders, o
 padding nodes, never accepted. A request whose features read a row's history as a chain of
 drafts (see :func:`needs_chain_history`) drafts a chain instead of a tree: the drafter's first
 choice at each depth (what vLLM's ``dflash`` drafts), so every row's history is the chain
-before it, as vLLM's sampler and scheduler read it.
+before it, as vLLM's sampler and scheduler read it. In ``hsd_chain`` mode every slot drafts a
+sampled chain, and keeps the law it was drawn from (``law_probs``, ``law_ids``) for HSD.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class SlotTrees:
     """The trees of every request slot (see the module doc)."""
 
     def __init__(self, num_slots: int, budget: int, depth: int, device: torch.device,
-                 calibrated: bool = True):
+                 calibrated: bool = True, law_width: int = 0):
         self.budget, self.depth, self.device = budget, depth, device
         self.calibrated = calibrated  # trees carry their drafter tops (the calibration's)
         self.empty_slot, self.padding_slot = num_slots, num_slots + 1
@@ -77,6 +78,10 @@ class SlotTrees:
         self.top_ids = torch.full((rows, depth, TOP_RANKS), -1, dtype=torch.int64,
                                   device=device)
         self.top_probs = torch.zeros(rows, depth, CELLS, device=device)
+        # hsd_chain (law_width K > 0): the sparse law each slot's chain was drawn from,
+        # probabilities and token ids [S + 2, B, K] (sampling.top_k_draft_law)
+        self.law_probs = torch.zeros(rows, budget, law_width, device=device)
+        self.law_ids = torch.zeros(rows, budget, law_width, dtype=torch.int64, device=device)
 
     def reset(self, slot: int, chained: bool, sampled: bool, reshaped: bool = False) -> None:
         """A request enters ``slot``: the empty tree until the drafter writes one."""
@@ -90,34 +95,46 @@ class SlotTrees:
         """The rows that a batch's ``slots`` (-1: a padding row) write to."""
         return torch.where(slots < 0, self.padding_slot, slots)
 
-    def store(self, slots: torch.Tensor, tree: DraftTree, first_choices: torch.Tensor
-              ) -> torch.Tensor:
+    def store(self, slots: torch.Tensor, tree: DraftTree | None, chain: torch.Tensor,
+              law: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Keep ``tree`` (row r for slot ``slots[r]``; -1: a padding row) until it is verified,
-        or for a slot that drafts chains the chain of ``first_choices [R, L]`` (the drafter's
-        argmax at each depth).
+        or for a slot that drafts chains the chain ``chain [R, >= min(B, L)]`` (the drafter's
+        argmax at each depth). ``tree`` None: every slot drafts ``chain``, sampled from ``law``
+        (``hsd_chain``: probabilities and ids ``[R, B, K]``, kept for the verify step).
 
         Returns the node tokens ``[R, B]`` the runner stores as the slots' drafts, with 0 for
         padding nodes (they become input ids; the tree marks them padding). Device ops only.
         """
         target = self.targets(slots)
-        chained = self.chained[target]  # [R]
         width = min(self.budget, self.depth)
-        chain = torch.nn.functional.pad(first_choices[:, :width], (0, self.budget - width),
+        chain = torch.nn.functional.pad(chain[:, :width], (0, self.budget - width),
                                         value=PADDING_TOKEN_ID)  # [R, B]
         num_rows = chain.shape[0]
-        chain_nodes = torch.stack([chain, self.chain_parents.expand(num_rows, -1),
-                                   self.chain_depths.expand(num_rows, -1)], dim=1)
-        nodes = torch.stack([tree.token_ids, tree.parents, tree.depths], dim=1)  # [R, 3, B]
-        nodes = torch.where(chained[:, None, None], chain_nodes, nodes)
+        nodes = torch.stack([chain, self.chain_parents.expand(num_rows, -1),
+                             self.chain_depths.expand(num_rows, -1)], dim=1)
+        scores = self.chain_scores.expand(num_rows, -1)
+        mask = self.chain_mask.expand(num_rows, -1, -1)
+        if tree is not None:
+            chained = self.chained[target]  # [R]
+            nodes = torch.where(chained[:, None, None], nodes, torch.stack(
+                [tree.token_ids, tree.parents, tree.depths], dim=1))  # [R, 3, B]
+            scores = torch.where(chained[:, None], scores, tree.scores)
+            mask = torch.where(chained[:, None, None], mask, tree.ancestor_mask)
+            if tree.tops is not None:
+                self.top_ids.index_copy_(0, target, tree.tops.token_ids)
+                self.top_probs.index_copy_(0, target, tree.tops.probs)
+        if law is not None:
+            self.law_probs.index_copy_(0, target, law[0])
+            self.law_ids.index_copy_(0, target, law[1])
         self.nodes.index_copy_(0, target, nodes)
-        self.scores.index_copy_(0, target, torch.where(chained[:, None], self.chain_scores,
-                                                       tree.scores))
-        self.mask.index_copy_(0, target, torch.where(chained[:, None, None], self.chain_mask,
-                                                     tree.ancestor_mask))
-        if tree.tops is not None:
-            self.top_ids.index_copy_(0, target, tree.tops.token_ids)
-            self.top_probs.index_copy_(0, target, tree.tops.probs)
+        self.scores.index_copy_(0, target, scores)
+        self.mask.index_copy_(0, target, mask)
         return torch.where(nodes[:, 2] > 0, nodes[:, 0], 0)
+
+    def law(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sparse laws ``[R, B, K]`` (probabilities, ids) the chains of ``slots`` were
+        drawn from (``hsd_chain``)."""
+        return self.law_probs[slots], self.law_ids[slots]
 
     def batch(self, slots: torch.Tensor, num_draft: torch.Tensor, width: int) -> DraftTree:
         """The verify trees of a step: request r verifies the first ``num_draft[r]`` nodes of

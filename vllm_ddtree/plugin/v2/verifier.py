@@ -22,6 +22,10 @@ and ``num_rejected`` per request. For a tree (``TreeVerifier.__call__``):
 
 Rows of requests without a tree (a prefill chunk in the batch, a request served without
 nodes) are roots of empty trees: their one sample is vLLM's plain decoding token.
+
+``hsd_chain`` (sampled chains): the rows are sampled by vLLM's unfused path, whose processed
+logits are the rows' laws, and HSD replaces the walk's verdict for sampled requests
+(:meth:`TreeVerifier._hsd_chains`).
 """
 
 from __future__ import annotations
@@ -32,12 +36,20 @@ import numpy as np
 import torch
 from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
 from vllm.v1.worker.gpu.metrics.logits import get_num_nans
+from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
 from vllm_ddtree.plugin.state import accepted_moves
 from vllm_ddtree.plugin.v2.model_state import TreeStep
-from vllm_ddtree.sampling import argmax_rows, cached_arange, verify_rows
+from vllm_ddtree.sampling import (
+    KeyedNoise,
+    argmax_rows,
+    cached_arange,
+    hsd_verify_rows,
+    seed_keys_of,
+    verify_rows,
+)
 from vllm_ddtree.tree import PADDING_TOKEN_ID
 from vllm_ddtree.walk import walk
 
@@ -217,33 +229,42 @@ class TreeVerifier:
         logits_indices = input_batch.logits_indices
         idx_mapping_np = input_batch.idx_mapping_np
         logprobs_dims = sampler.get_logprobs_dims(idx_mapping_np)
-        if (not sampler.sampling_states.temperature.np[idx_mapping_np].any()
-                and not sampler.needs_logits_processing[idx_mapping_np].any()):
+        sampling_states = sampler.sampling_states
+        random = bool(sampling_states.temperature.np[idx_mapping_np].any())
+        hsd = random and step.options.mode == "hsd_chain"
+        if not random and not sampler.needs_logits_processing[idx_mapping_np].any():
             # every request greedy and unprocessed: what vLLM's sampler computes at
             # temperature 0 (its Gumbel kernel takes the plain argmax), in one op
             sampled, processed = argmax_rows(logits), logits
         else:
-            sampled, processed = sampler.sample(
-                logits,
-                input_batch.expanded_idx_mapping,
-                input_batch.idx_mapping,
-                idx_mapping_np,
-                step.positions[logits_indices],  # depth positions: noise, min_tokens
-                input_batch.input_ids[logits_indices],
-                input_batch.expanded_local_pos,
-                _host_seq_lens(input_batch),
-                return_logprobs=logprobs_dims is not None,
-            )
+            args = (logits, input_batch.expanded_idx_mapping, input_batch.idx_mapping,
+                    idx_mapping_np,
+                    step.positions[logits_indices],  # depth positions: noise, min_tokens
+                    input_batch.input_ids[logits_indices], input_batch.expanded_local_pos,
+                    _host_seq_lens(input_batch))
+            if hsd:  # HSD reads each row's law: vLLM's unfused path, whose logits hold it
+                processed = sampler.apply_sampling_params(*args, skip_top_k_top_p=False)
+                sampled = gumbel_sample(
+                    processed, input_batch.expanded_idx_mapping, sampling_states.temperature.gpu,
+                    sampling_states.seeds.gpu, args[4], apply_temperature=False,
+                    is_drafting=False, use_fp64=sampler.use_fp64_gumbel)
+            else:
+                sampled, processed = sampler.sample(
+                    *args, return_logprobs=logprobs_dims is not None)
         tree = verify.tree
         num_reqs = input_batch.num_reqs
         cu_num_logits = input_batch.cu_num_logits[: num_reqs + 1]
         rows = verify_rows(cu_num_logits[1:], tree.max_budget)  # [R, W + 1] each tree's rows
+        invalid = None
         if invalid_drafts is not None:
             # a node whose own row was not held to the grammar is never accepted (the token
             # drawn from its row could break the grammar): as vLLM pins a chain's acceptance
+            invalid = invalid_drafts[rows[:, 1:]]
             tree = dataclasses.replace(tree, token_ids=torch.where(
-                invalid_drafts[rows[:, 1:]], PADDING_TOKEN_ID, tree.token_ids))
+                invalid, PADDING_TOKEN_ID, tree.token_ids))
         verdict = walk(tree, sampled[rows])
+        if hsd and tree.max_budget == step.options.budget:
+            verdict = self._hsd_chains(verdict, processed, rows, tree, input_batch, invalid)
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             (verdict.num_accepted + 1).to(torch.int32), input_batch.seq_lens, cu_num_logits,
             input_batch.idx_mapping, sampler.req_states.prefill_len.gpu)
@@ -268,6 +289,40 @@ class TreeVerifier:
             num_nans=num_nans,
             num_sampled=num_sampled,
             num_rejected=num_rejected,
+        )
+
+    def _hsd_chains(self, verdict, processed: torch.Tensor, rows: torch.Tensor, tree,
+                    input_batch, invalid: torch.Tensor | None):
+        """``hsd_chain``: the verdict of HSD (``vllm_ddtree.sampling.hsd_verify_rows``) for
+        every sampled request whose whole chain of B drafts is verified with every row held to
+        its request's law (the walk's verdict, lossless for any drafts, for the others: greedy
+        requests, chains the scheduler cut, grammar rows vLLM could not check). The target law
+        of a row is its processed logits' softmax; the noise is keyed by the request's seed
+        and its root's position (``KeyedNoise``), apart from the drafts' (``keyed_chain``)."""
+        states = self.sampler.sampling_states
+        idx_mapping = input_batch.idx_mapping
+        width = rows.shape[1] - 1
+        use = (states.temperature.gpu[idx_mapping] > 0) & (tree.num_nodes == width)
+        if invalid is not None:
+            use &= ~invalid.any(dim=1)
+        law_probs, law_ids = self.step.trees.law(idx_mapping)
+        roots = input_batch.positions[input_batch.logits_indices[rows[:, 0]]]
+        num_accepted, output = hsd_verify_rows(
+            lambda index: torch.softmax(processed.index_select(0, index), dim=-1,
+                                        dtype=torch.float64),
+            processed.shape[1], rows, tree.token_ids.clamp(min=0), law_probs, law_ids,
+            KeyedNoise(seed_keys_of(states.seeds.gpu[idx_mapping]), roots))
+        column = cached_arange(width + 1, rows.device)
+        chain_rows = torch.where(column <= num_accepted[:, None], column, -1)  # node k: row k + 1
+        chain_nodes = torch.where(chain_rows[:, 1:] > 0, chain_rows[:, 1:] - 1, -1)
+        return dataclasses.replace(
+            verdict,
+            accepted_nodes=torch.where(use[:, None], chain_nodes, verdict.accepted_nodes),
+            num_accepted=torch.where(use, num_accepted, verdict.num_accepted),
+            bonus_token=torch.where(use, output.gather(1, num_accepted[:, None]).squeeze(1),
+                                    verdict.bonus_token),
+            output_tokens=torch.where(use[:, None], output, verdict.output_tokens),
+            accepted_rows=torch.where(use[:, None], chain_rows, verdict.accepted_rows),
         )
 
     def _emitted_logprobs(self, values: torch.Tensor, rows: torch.Tensor, verdict,
