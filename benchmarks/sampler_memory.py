@@ -55,12 +55,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from vllm_ddtree.sampling import (  # noqa: E402
+    GeneratorNoise,
     RowSampling,
     SamplingBatch,
     hsd_verify,
     hsd_verify_rows,
     pack_sparse_law,
     processed_logits,
+    processed_probs_of_rows,
     sample_rows,
     sample_tokens,
     target_probs_from_logits,
@@ -318,8 +320,9 @@ def new_hsd_path(logits, tree, law, metadata, setting, sampler):
     rows = RowSampling.expand(batch_of(setting), cu, num_draft, logits.shape[1])
     rows_index = verify_rows(cu, max(num_draft))
     walked = walk(tree, sample_rows(logits, rows, native_topk_topp)[rows_index])
-    return walked, hsd_verify_rows(logits, rows_index, tree.token_ids, law[0], law[1], rows,
-                                   native_mask)
+    return walked, hsd_verify_rows(
+        lambda index: processed_probs_of_rows(logits, index, rows, native_mask), logits.shape[1],
+        rows_index, tree.token_ids, law[0], law[1], GeneratorNoise())[1]
 
 
 def plugin_sampler(mode, budget, tree, num_draft, device, law=None):
