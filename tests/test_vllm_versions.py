@@ -196,14 +196,16 @@ def test_every_patched_symbol_is_a_requirement():
                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
                and t.value.id != "cls"}
     patched |= {"Worker.compile_or_warm_up_model", "CPUWorker.compile_or_warm_up_model"}
-    # Model Runner V2: module-level functions replaced in their modules
+    # Model Runner V2: module-level functions replaced in their modules, a runner method
     install_v2 = next(n for n in tree.body
                       if isinstance(n, ast.FunctionDef) and n.name == "_install_v2")
-    patched_v2 = {t.attr for n in ast.walk(install_v2) if isinstance(n, ast.Assign)
+    patched_v2 = {f"{t.value.id}.{t.attr}" if t.value.id[0].isupper() else t.attr
+                  for n in ast.walk(install_v2) if isinstance(n, ast.Assign)
                   for t in n.targets if isinstance(t, ast.Attribute)}
     listed = {r.qualname for r in versions.REQUIREMENTS}
     assert patched and patched <= listed, sorted(patched - listed)
-    assert patched_v2 == {"init_speculator", "resolve_model_state_cls"}
+    assert patched_v2 == {"init_speculator", "resolve_model_state_cls",
+                          "GPUModelRunner.load_model"}
     assert patched_v2 <= listed, sorted(patched_v2 - listed)
 
 

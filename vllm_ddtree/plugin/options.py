@@ -96,8 +96,8 @@ def v1_only(policy, pipeline_parallel_size: int, data_parallel_size: int = 1) ->
     runs on either). ``policy``: the budget policy the user gave (None: the default). A table
     runs on V2 as vLLM's dynamic speculation length (:func:`dynamic_sd_schedule`), which vLLM
     turns off under data parallelism (its ranks could pick different lengths)."""
-    if pipeline_parallel_size > 1:
-        return "pipeline parallelism"
+    if pipeline_parallel_size > 1 and policy is not None and not isinstance(policy, str):
+        return "a ddtree_budget_policy table with pipeline parallelism"
     if policy == "auto":
         return "ddtree_budget_policy 'auto'"
     if policy is not None and not isinstance(policy, str) and data_parallel_size > 1:
@@ -126,7 +126,8 @@ def choose_runner(policy, pipeline_parallel_size: int, use_v2_env: bool | None,
 
     vLLM's own rule (``VllmConfig.use_v2_model_runner``): ``VLLM_USE_V2_MODEL_RUNNER`` when set
     (``use_v2_env``), else V2 where Triton is usable. ddtree on V2 serves both modes with the
-    static policy or a table, without pipeline parallelism so far (:func:`v1_only`); an engine that asks
+    static policy or a table, a table not under data or pipeline parallelism so far
+    (:func:`v1_only`); an engine that asks
     for more runs V1 (the plugin tells vLLM so: ``patches._wrap_v2_unsupported``), and one that
     forces V2 with it is refused. ``policy``: the budget policy the user gave (None: the
     default).

@@ -7,7 +7,8 @@ every symbol the plugin relies on must be as ``versions.REQUIREMENTS`` describes
 
 1. ``EngineArgs.create_speculative_config``: ``method: "ddtree"`` -> vLLM's ``"dflash"`` plus
    ``additional_config["ddtree"]``; validates the configuration at engine start.
-2. ``VllmConfig._get_v2_model_runner_unsupported_features``: ddtree runs on the V1 runner.
+2. ``VllmConfig._get_v2_model_runner_unsupported_features``: what ddtree serves on the V1
+   runner only (``options.v1_only``) makes vLLM pick V1.
 3. ``VllmConfig.num_lookahead_tokens`` and (vLLM 0.32 only)
    ``SpeculativeConfig.max_num_new_slots_for_drafting``: the drafter runs depth + 1 queries per
    request (not budget + 1): reserve depth + 1 lookahead K/V slots and (0.32) depth drafter
@@ -58,7 +59,7 @@ every symbol the plugin relies on must be as ``versions.REQUIREMENTS`` describes
    parallelism reduced over the ranks and compared before serving).
 9. ``CPU_ATTN`` and ``TRITON_ATTN`` backend overrides: tree attention on the CPU and on CUDA
    (stock behaviour unless the engine runs ddtree).
-10. Pipeline parallelism (``stages.py``): ``VllmConfig.max_concurrent_batches`` is 1 (the
+10. Pipeline parallelism on the V1 runner (``stages.py``): ``VllmConfig.max_concurrent_batches`` is 1 (the
    engine core's batch queue would hand the scheduler drafts before their step's tokens);
    ``Scheduler.schedule`` relays the scheduled trees' parents and each request's recent tokens
    (``SchedulerOutput.ddtree_trees``, ``ddtree_recent``, ``ddtree_outputs``);
@@ -70,6 +71,10 @@ every symbol the plugin relies on must be as ``versions.REQUIREMENTS`` describes
    and verifies the relayed trees; ``compile_or_warm_up_model`` makes a later stage's receive
    buffers, which vLLM's CPU worker never makes. (The last stage's drafter loads the target's
    input embedding itself: ``DDTreeProposer.load_model``.)
+11. Model Runner V2 (``plugin/v2``, :func:`_install_v2`): ``init_speculator`` builds the tree
+   speculator, ``resolve_model_state_cls`` puts the tree mixin in front of the target's model
+   state, and ``GPUModelRunner.load_model`` wraps the runner's pipeline handler
+   (``v2/pipeline.py``).
 """
 
 from __future__ import annotations
@@ -204,8 +209,8 @@ def _wrap_create_speculative_config(original):
             if self.async_scheduling:
                 raise DDTreeConfigError(
                     "ddtree: async scheduling needs Model Runner V2 (vLLM's default where "
-                    "Triton runs, with the static budget policy or a table and no pipeline "
-                    "parallelism); on the V1 runner drop --async-scheduling")
+                    "Triton runs, with the static budget policy, or a table without data or "
+                    "pipeline parallelism); on the V1 runner drop --async-scheduling")
             self.async_scheduling = False
         _select_attention_backend(self)
         self.speculative_config = dflash_spec
@@ -421,7 +426,9 @@ def _wrap_max_concurrent_batches(original):
         # Pipeline parallelism: one batch in flight. vLLM's batch queue hands the scheduler a
         # batch's drafts right after submitting the batch, before its sampled tokens, and the
         # scheduler would then schedule the drafts without the token they follow (stages.py).
-        if self.parallel_config.pipeline_parallel_size > 1 and ddtree_options(self) is not None:
+        options = ddtree_options(self)
+        if (self.parallel_config.pipeline_parallel_size > 1 and options is not None
+                and options.runner == "v1"):
             return 1
         return original(self)
 
@@ -509,7 +516,9 @@ def _wrap_schedule(original):
                 if tree is not None:
                     kept[req_id] = tree[0][: len(tokens)]
             output.ddtree_kept = kept
-            if self.use_pp:  # the stages before the last verify the same trees (stages.py)
+            if self.use_pp and not self.use_v2_model_runner:
+                # the stages before the last verify the same trees (stages.py; on V2 they come
+                # with vLLM's broadcast of the drafts: v2/pipeline.py)
                 from vllm_ddtree.plugin import stages
 
                 output.ddtree_trees = stages.scheduled_trees(
@@ -1083,6 +1092,9 @@ def _install_v2() -> None:
         runner_module.init_speculator = spec_decode.init_speculator
     model_states.resolve_model_state_cls = _wrap_resolve_model_state_cls(
         model_states.resolve_model_state_cls)
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    GPUModelRunner.load_model = _wrap_v2_load_model(GPUModelRunner.load_model)
 
 
 def _wrap_init_speculator(original):
@@ -1095,6 +1107,21 @@ def _wrap_init_speculator(original):
         return DDTreeSpeculator(vllm_config, device)
 
     return init_speculator
+
+
+def _wrap_v2_load_model(original):
+    @functools.wraps(original)
+    def load_model(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        step = getattr(self.model_state, "ddtree", None)
+        if step is not None and self.pp_handler is not None:
+            # pipeline parallelism: the stages before the last get the trees and move their
+            # own K/V along the accepted paths (v2/pipeline.py)
+            from vllm_ddtree.plugin.v2.pipeline import TreePPHandler
+
+            self.pp_handler = TreePPHandler(self.pp_handler, step)
+
+    return load_model
 
 
 def _wrap_resolve_model_state_cls(original):

@@ -339,6 +339,7 @@ _V2 = "vllm.v1.worker.gpu"
 _V2_RUNNER = f"{_V2}.model_runner"
 _V2_DFLASH = f"{_V2}.spec_decode.dflash.speculator"
 _V2_MODEL_STATE = f"{_V2}.model_states.interface"
+_V2_PP = f"{_V2}.pp_utils"
 
 REQUIREMENTS += (
     # patches._install_v2: the two functions V2 builds a speculator and a model state with
@@ -383,6 +384,47 @@ REQUIREMENTS += (
                 contains=("sampler_output = self.rejection_sampler( logits, input_batch,",
                           "self.speculator.draft_logits, invalid_drafts, )"),
                 why="the verifier's call; steps without drafts use vLLM's sampler"),
+    # v2/pipeline.py: the stages before the last get the trees with vLLM's broadcast of the
+    # drafts, and move their own K/V at consume time (patches._wrap_v2_load_model)
+    Requirement(_V2_RUNNER, "GPUModelRunner.load_model",
+                contains=("self.model_state = init_model_state(",),
+                why="wrapped: the runner's pp_handler gets the model state's TreeStep"),
+    Requirement(_V2_PP, "PendingRecv",
+                contains=("sampled_tokens: torch.Tensor", "num_sampled: torch.Tensor",
+                          "idx_mapping: torch.Tensor", "idx_mapping_np: np.ndarray",
+                          "need_sampled_mask: np.ndarray", "gen_at_receive_np: np.ndarray",
+                          "draft_tokens: torch.Tensor | None = None")),
+    Requirement(_V2_PP, "PPHandler.__init__",
+                contains=("self.last_rank = get_pp_group().last_rank",
+                          "self.main_stream = torch.cuda.current_stream(device)",
+                          "self.broadcast_stream = torch.cuda.Stream(device)",
+                          "self.req_idx_gen_np = np.zeros(max_num_reqs, dtype=np.int32)",
+                          "self.broadcast_group = get_pp_group().make_sibling_device_group(")),
+    Requirement(_V2_PP, "PPHandler.get_prev_sampled_outputs", ("draft_tokens_to_update",),
+                contains=("slot = self.queue.popleft()",
+                          "freed = self.req_idx_gen_np[slot.idx_mapping_np] != "
+                          "slot.gen_at_receive_np",
+                          "exclude_mask = freed | ~slot.need_sampled_mask"),
+                versions=((0, 32),)),
+    Requirement(_V2_PP, "PPHandler.get_prev_sampled_outputs",
+                contains=("slot = self.queue.popleft()",
+                          "freed = self.req_idx_gen_np[slot.idx_mapping_np] != "
+                          "slot.gen_at_receive_np",
+                          "exclude_mask = freed | ~slot.need_sampled_mask"),
+                versions=((0, 33),)),
+    Requirement(_V2_PP, "PPHandler.receive", ("input_batch",),
+                contains=("self.queue[-1] = PendingRecv(",), versions=((0, 32),)),
+    Requirement(_V2_PP, "PPHandler.receive", ("input_batch", "recv_drafts"),
+                contains=("self.queue[-1] = PendingRecv(",), versions=((0, 33),)),
+    Requirement(_V2_PP, "PPHandler.broadcast_drafts", ("draft_tokens", "input_batch"),
+                contains=("if compute_need_sampled_mask(input_batch) is None: return",),
+                versions=((0, 32),)),
+    Requirement(_V2_PP, "PPHandler.broadcast_drafts", ("draft_tokens",),
+                contains=("if self.sampled_tokens_broadcast:",), versions=((0, 33),)),
+    Requirement(_V2_PP, "compute_need_sampled_mask", ("input_batch",)),
+    Requirement("vllm.v1.core.sched.scheduler", "Scheduler.__init__",
+                contains=("self.use_v2_model_runner = vllm_config.use_v2_model_runner",),
+                why="V1's pipeline stages get trees through the scheduler, V2's do not"),
     # a budget table is vLLM's dynamic speculation length (options.dynamic_sd_schedule)
     Requirement("vllm.v1.core.sched.scheduler", "Scheduler.__init__",
                 contains=("self.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup( "

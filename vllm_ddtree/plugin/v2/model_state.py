@@ -59,6 +59,7 @@ class TreeStep:
         self.input_batch = None  # the batch self.verify belongs to
         self.gather_index: torch.Tensor | None = None  # [T] for the drafter (accepted_moves)
         self.compactor = None  # built with the K/V caches (TreeModelState.initialize_kv_cache)
+        self.slot_mappings = None  # [groups, max_num_tokens] each row's K/V slot, persistent
         self.drafter_layers: set[str] = set()  # the speculator's (set_attn)
         self.moved = torch.zeros((), dtype=torch.int64, device=device)  # K/V slots moved
 
@@ -149,7 +150,7 @@ class TreeModelState:
         forward_context = self.vllm_config.compilation_config.static_forward_context
         # the layers are final now: refuse what the tree kernels cannot compute, before serving
         check_attention_layers(forward_context, self.ddtree.drafter_layers)
-        slot_mappings = block_tables.slot_mappings  # [groups, max_num_tokens], persistent
+        slot_mappings = self.ddtree.slot_mappings = block_tables.slot_mappings
         self.ddtree.compactor = KVCompactor(
             kv_cache_config.kv_cache_groups, forward_context, self.ddtree.drafter_layers,
             self.ddtree.options.depth, lambda gid, n: slot_mappings[gid, :n])
