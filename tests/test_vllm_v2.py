@@ -226,13 +226,16 @@ def test_tensor_parallel(tmp_path, plain_v2):
 
 def test_pipeline_parallel(tmp_path, plain_v2):
     """PP = 2 with async scheduling (V2's own pipeline: a request's decodes ``pp_size`` steps
-    apart), B = 16, a K/V cache of 10 blocks of 32 tokens (requests preempt and resume): the
-    first stage gets each tree with vLLM's broadcast of the drafts and moves its own layers'
-    K/V along the accepted paths (``v2/pipeline.py``). Every token is plain decoding's, greedy
-    and seeded, and both stages moved K/V (without the first stage's moves, 13 of the 16
-    outputs differ: checked by hand)."""
-    result = run_v2(tmp_path, ddtree(16), "greedy,mixed", pp=2, num_blocks=10)
+    apart), B = 16 with the table [[2, 16], [64, 4]] (whole trees while few requests run,
+    their first 4 nodes beyond), a K/V cache of 10 blocks of 32 tokens (requests preempt and
+    resume): the first stage gets each tree with vLLM's broadcast of the drafts and moves its
+    own layers' K/V along the accepted paths (``v2/pipeline.py``). Every token is plain
+    decoding's, greedy and seeded, and both stages moved K/V (without the first stage's moves,
+    13 of the 16 outputs differ: checked by hand at B = 16, static)."""
+    result = run_v2(tmp_path, ddtree(16, ddtree_budget_policy=[[2, 16], [64, 4]]),
+                    "greedy,mixed", pp=2, num_blocks=10)
     assert result["preemptions"] > 0, "the test did not preempt"
+    assert 4.0 < result["draft_tokens_per_draft"] < 16.0, result["draft_tokens_per_draft"]
     assert len(result["moved_slots_per_rank"]) == 2
     check_v2(result, plain_v2)
 

@@ -91,13 +91,11 @@ def ddtree_options(vllm_config) -> DDTreeOptions | None:
 V1_ONLY = "runs on vLLM's V1 model runner only so far"
 
 
-def v1_only(policy, pipeline_parallel_size: int, data_parallel_size: int = 1) -> str | None:
+def v1_only(policy, data_parallel_size: int = 1) -> str | None:
     """What of a ddtree configuration ddtree serves on vLLM's V1 model runner only (None: it
     runs on either). ``policy``: the budget policy the user gave (None: the default). A table
     runs on V2 as vLLM's dynamic speculation length (:func:`dynamic_sd_schedule`), which vLLM
     turns off under data parallelism (its ranks could pick different lengths)."""
-    if pipeline_parallel_size > 1 and policy is not None and not isinstance(policy, str):
-        return "a ddtree_budget_policy table with pipeline parallelism"
     if policy == "auto":
         return "ddtree_budget_policy 'auto'"
     if policy is not None and not isinstance(policy, str) and data_parallel_size > 1:
@@ -120,23 +118,22 @@ def dynamic_sd_schedule(table) -> list[list[int]]:
     return ranges
 
 
-def choose_runner(policy, pipeline_parallel_size: int, use_v2_env: bool | None,
-                  has_triton: bool, data_parallel_size: int = 1) -> str:
+def choose_runner(policy, use_v2_env: bool | None, has_triton: bool,
+                  data_parallel_size: int = 1) -> str:
     """The model runner a ddtree engine will use: "v1" or "v2".
 
     vLLM's own rule (``VllmConfig.use_v2_model_runner``): ``VLLM_USE_V2_MODEL_RUNNER`` when set
     (``use_v2_env``), else V2 where Triton is usable. ddtree on V2 serves both modes with the
-    static policy or a table, a table not under data or pipeline parallelism so far
-    (:func:`v1_only`); an engine that asks
-    for more runs V1 (the plugin tells vLLM so: ``patches._wrap_v2_unsupported``), and one that
-    forces V2 with it is refused. ``policy``: the budget policy the user gave (None: the
-    default).
+    static policy or a table, a table not under data parallelism (:func:`v1_only`); an engine
+    that asks for more runs V1 (the plugin tells vLLM so: ``patches._wrap_v2_unsupported``),
+    and one that forces V2 with it is refused. ``policy``: the budget policy the user gave
+    (None: the default).
 
-    Example: (None, 1, None, True) -> "v2"; ("auto", 1, None, True) -> "v1".
+    Example: (None, None, True) -> "v2"; ("auto", None, True) -> "v1".
     """
     if use_v2_env is False or (use_v2_env is None and not has_triton):
         return "v1"
-    reason = v1_only(policy, pipeline_parallel_size, data_parallel_size)
+    reason = v1_only(policy, data_parallel_size)
     if reason is None:
         return "v2"
     if use_v2_env:
@@ -206,8 +203,7 @@ def split_speculative_config(spec: dict, pipeline_parallel_size: int = 1,
     given = spec.pop("ddtree_budget_policy", None)
     if given is not None:
         given = _budget_policy(given, budget)
-    runner = choose_runner(given, pipeline_parallel_size, use_v2_env, has_triton,
-                           data_parallel_size)
+    runner = choose_runner(given, use_v2_env, has_triton, data_parallel_size)
     default = ("static" if mode == "hsd_chain" or pipeline_parallel_size > 1 or runner == "v2"
                else DEFAULT_POLICY)
     policy = default if given is None else given

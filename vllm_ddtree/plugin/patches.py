@@ -209,8 +209,8 @@ def _wrap_create_speculative_config(original):
             if self.async_scheduling:
                 raise DDTreeConfigError(
                     "ddtree: async scheduling needs Model Runner V2 (vLLM's default where "
-                    "Triton runs, with the static budget policy, or a table without data or "
-                    "pipeline parallelism); on the V1 runner drop --async-scheduling")
+                    "Triton runs, with the static budget policy, or a table without data "
+                    "parallelism); on the V1 runner drop --async-scheduling")
             self.async_scheduling = False
         _select_attention_backend(self)
         self.speculative_config = dflash_spec
@@ -381,9 +381,7 @@ def _wrap_v2_unsupported(original):
         options = ddtree_options(self)
         if options is not None and options.runner == "v1":
             # what ddtree serves on the V1 runner only (options.v1_only); vLLM then picks V1
-            reason = v1_only(options.budget_policy,
-                             self.parallel_config.pipeline_parallel_size,
-                             self.parallel_config.data_parallel_size)
+            reason = v1_only(options.budget_policy, self.parallel_config.data_parallel_size)
             if reason is not None:
                 features = [*features, f"ddtree with {reason}"]
         return features
