@@ -29,9 +29,10 @@ PROMPTS = [*_TINY_PROMPTS, "def parse_args(argv):\n    parser = argparse.Argumen
            "    return self."]
 SEEDED = dict(temperature=0.8, top_p=0.9, top_k=50)
 STRUCTURED_REGEX = r"[a-z ]{40,80}\."
-# the law job: LAW_REQUESTS requests of one prompt at T = 1 (no seed: independent draws), 3
-# tokens each, whose joint law tests/test_vllm_sampling.py computes exactly
+# the law jobs: LAW_REQUESTS requests of one prompt (no seed: independent draws), 3 tokens
+# each, at one of tests/test_vllm_sampling.py's settings, which computes their joint law exactly
 LAW_PROMPT, LAW_REQUESTS = "    def __init__(self", 600
+LAW_JOBS = {"law": "t1", "law_features": "t1_features"}
 FEATURES = [dict(presence_penalty=0.8, frequency_penalty=0.4, repetition_penalty=1.2, logprobs=2),
             dict(bad_words=["self", " in"], ignore_eos=True),
             dict(min_tokens=48, stop_token_ids=[202, 286], logprobs=3),
@@ -52,8 +53,10 @@ def jobs(max_tokens: int, short: bool = False, names: list[str] | None = None):
     repetition penalties and logprobs, even ones greedy, odd ones seeded; ``biased`` (only
     where named): every prompt at T = 0 with a small ``logit_bias`` on token 5; ``bad_words``
     (only where named): bad words of 2 and 3 tokens that plain outputs hold, even prompts
-    greedy, odd ones seeded; ``law`` (only where named): :data:`LAW_REQUESTS` requests of
-    :data:`LAW_PROMPT` at T = 1, 3 tokens each. ``short``: without the reversed greedy pass
+    greedy, odd ones seeded; ``law`` and ``law_features`` (only where named):
+    :data:`LAW_REQUESTS` requests of :data:`LAW_PROMPT`, 3 tokens each, at the setting of
+    :data:`LAW_JOBS` (T = 1, then with penalties, ``min_p`` and ``logit_bias``). ``short``:
+    without the reversed greedy pass
     and the runs alone (a second policy on the same layout), with the features and structured
     jobs. ``names``: only these jobs
     (``alone`` for the runs alone), in the order above."""
@@ -80,8 +83,10 @@ def jobs(max_tokens: int, short: bool = False, names: list[str] | None = None):
     def biased(i):  # a feature that reshapes the target's law (known_params.reshapes_target)
         return dict(greedy(i), logit_bias={5: -1.0})
 
-    def law(i):  # T = 1, no top-k / top-p, no seed: tests/test_vllm_sampling.py's "t1"
-        return dict(max_tokens=3, ignore_eos=True, temperature=1.0, top_k=0, top_p=1.0)
+    def law_job(name):
+        from test_vllm_sampling import SETTINGS
+
+        return lambda i: dict(SETTINGS[LAW_JOBS[name]], max_tokens=3, ignore_eos=True)
 
     def structured(i):  # a grammar along the trees (grammar.py), greedy
         from vllm.sampling_params import StructuredOutputsParams
@@ -101,7 +106,7 @@ def jobs(max_tokens: int, short: bool = False, names: list[str] | None = None):
               ("pairs", [odd[1], 0, odd[0], 2, odd[3], odd[2]], mixed),
               ("staggered", everyone, greedy), ("penalties", everyone, penalties),
               ("biased", everyone, biased), ("bad_words", everyone, bad_words),
-              ("law", list(range(LAW_REQUESTS)), law)]
+              *((name, list(range(LAW_REQUESTS)), law_job(name)) for name in LAW_JOBS)]
     for job in listed:
         if job[0] in names or (job[0].startswith("alone_") and "alone" in names):
             yield job
@@ -196,7 +201,7 @@ def _run(llm, job_list, result: dict, log) -> None:
     result["job_acceptance_length"] = {}
     for name, indices, params in job_list:
         before = _draft_counts(llm)
-        prompts = [LAW_PROMPT if name == "law" else PROMPTS[i] for i in indices]
+        prompts = [LAW_PROMPT if name in LAW_JOBS else PROMPTS[i] for i in indices]
         sampling = [SamplingParams(**params(i)) for i in indices]
         if name == "staggered":
             outs, rounds = _staggered(llm, prompts, sampling)
