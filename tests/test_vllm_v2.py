@@ -202,17 +202,14 @@ def test_hsd_chain(tmp_path, plain_v2):
         assert outputs["pairs"][i] == outputs["mixed"][i], f"prompt {i}"
     assert any(outputs["mixed"][i] != plain_v2["outputs"]["mixed"][i] for i in seeded)
     assert LAW_PROMPT == PROMPT
-    target = TargetLaw(AutoTokenizer.from_pretrained(TARGET)(PROMPT)["input_ids"])
-    for job, name in LAW_JOBS.items():
-        if job not in outputs:  # (law_features: by hand)
-            continue
-        assert result["job_acceptance_length"][job] > 1.2, result["job_acceptance_length"]
-        assert len(outputs[job]) == LAW_REQUESTS
-        setting = SETTINGS[name]
-        law = target.joint(setting, law_min_prob(setting, LAW_REQUESTS))
-        counts = Counter(tuple(ids) for ids in outputs[job].values())
-        _, _, p = pooled_chi_square(counts, law, LAW_REQUESTS)
-        assert p > 1e-4, (job, p)
+    assert result["job_acceptance_length"]["law"] > 1.2, result["job_acceptance_length"]
+    assert len(outputs["law"]) == LAW_REQUESTS
+    setting = SETTINGS[LAW_JOBS["law"]]
+    law = TargetLaw(AutoTokenizer.from_pretrained(TARGET)(PROMPT)["input_ids"]).joint(
+        setting, law_min_prob(setting, LAW_REQUESTS))
+    counts = Counter(tuple(ids) for ids in outputs["law"].values())
+    _, _, p = pooled_chi_square(counts, law, LAW_REQUESTS)
+    assert p > 1e-4, p
 
 
 def test_preemption(tmp_path, plain_v2):
