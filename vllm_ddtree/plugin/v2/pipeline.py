@@ -19,9 +19,10 @@ decodes ``pp_size`` steps apart). :class:`TreePPHandler` wraps that handler:
   the verify step, also kept at ``receive``. Requests freed since are left alone: their blocks
   may belong to another request by then.
 
-Example: a stage verified a request's tree with tokens [5, 7, 9] and parents [-1, -1, 1]; the
-last stage's output is [7, 9, 4] with ``num_sampled`` 3: nodes 1 and 2 were accepted, and node
-2's K/V moves from the row after node 1's to the request's second chain slot.
+Example: a stage verified a request's tree with tokens [5, 7, 9] and parents [-1, -1, 1], its
+root at position c; the last stage's output is [7, 9, 4] with ``num_sampled`` 3: nodes 1 and 2
+were accepted, so node 1's K/V moves from position c + 2 to c + 1 and node 2's from c + 3 to
+c + 2.
 """
 
 from __future__ import annotations
