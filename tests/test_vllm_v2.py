@@ -271,18 +271,23 @@ def test_data_parallel_server(tmp_path, plain_v2):
     assert "Using V2 Model Runner" in text and "v2_harness: async scheduling on" in text
 
 
-def test_the_tree_step_never_waits_for_the_device(tmp_path):
+@pytest.mark.parametrize("spec, jobs", [(ddtree(8), "greedy,mixed,penalties"),
+                                        (ddtree(4, ddtree_mode="hsd_chain"), "mixed")],
+                         ids=["tree", "hsd_chain"])
+def test_the_tree_step_never_waits_for_the_device(tmp_path, spec, jobs):
     """The V2 tree step's code (tests/parallel_run.py V2_STEP_FILES: verify trees, depth
-    positions, sampling, the tree rows' penalties, walk, moves, compaction, the drafter's
-    gather and trees) on its torch path (what CUDA runs; VLLM_DDTREE_NATIVE=0 here) under
-    tests/sync_checker.py's NoHostSync: no scalar read, no data-dependent shape, no pageable
-    upload, in any step of greedy, seeded and penalised jobs (synchronous scheduling: the checker's dispatch mode is entered in
-    the thread that steps the runner)."""
-    result = run_engine(tmp_path, 1, ddtree(8), max_tokens=24, VLLM_DDTREE_NATIVE="0",
-                        extra_args=("--v2", "--jobs", "greedy,mixed,penalties",
-                                    "--check-host-sync"))
+    positions, sampling, the tree rows' penalties, walk, HSD, moves, compaction, the drafter's
+    gather, trees and sampled chains) on its torch path (what CUDA runs; VLLM_DDTREE_NATIVE=0
+    here) under tests/sync_checker.py's NoHostSync: no scalar read, no data-dependent shape,
+    no pageable upload, in any step of greedy, seeded and penalised jobs, and of seeded
+    requests verified by HSD (synchronous scheduling: the checker's dispatch mode is entered
+    in the thread that steps the runner). Trees move K/V; chains, accepted in place, none."""
+    result = run_engine(tmp_path, 1, spec, max_tokens=24, VLLM_DDTREE_NATIVE="0",
+                        extra_args=("--v2", "--jobs", jobs, "--check-host-sync"))
     assert result["host_sync_checked_ops"] > 10_000
-    assert min(result["moved_slots_per_rank"]) > 0
+    moved = min(result["moved_slots_per_rank"])
+    assert moved > 0 if spec.get("ddtree_mode") is None else moved == 0, moved
+    assert result["mean_acceptance_length"] > 1.2
 
 
 def test_drafter_with_other_attention_shapes(tmp_path_factory):
