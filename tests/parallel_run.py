@@ -56,10 +56,9 @@ def jobs(max_tokens: int, short: bool = False, names: list[str] | None = None):
     greedy, odd ones seeded; ``law`` and ``law_features`` (only where named):
     :data:`LAW_REQUESTS` requests of :data:`LAW_PROMPT`, 3 tokens each, at the setting of
     :data:`LAW_JOBS` (T = 1, then with penalties, ``min_p`` and ``logit_bias``). ``short``:
-    without the reversed greedy pass
-    and the runs alone (a second policy on the same layout), with the features and structured
-    jobs. ``names``: only these jobs
-    (``alone`` for the runs alone), in the order above."""
+    without the reversed greedy pass and the runs alone (a second policy on the same layout),
+    with the features and structured jobs. ``names``: only these jobs (``alone`` for the runs
+    alone), in the order above."""
     common = dict(max_tokens=max_tokens, ignore_eos=True)
 
     def greedy(i):
