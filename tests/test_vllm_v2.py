@@ -358,3 +358,47 @@ print("TWIN_OK")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert "TWIN_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_pipeline_handler_takes_both_releases_calls():
+    """``v2/pipeline.TreePPHandler`` passes vLLM's calls on as each release makes them (0.32:
+    ``receive(input_batch)``, ``broadcast_drafts(drafts, input_batch)``,
+    ``get_prev_sampled_outputs(drafts)``; 0.33: ``receive(input_batch, recv_drafts=...)``,
+    ``broadcast_drafts(drafts)``, ``get_prev_sampled_outputs()``) and adds nothing to a step
+    that broadcast nothing. (0.33 has not run: this is its call shapes, on a stand-in.)"""
+    import types
+
+    from vllm_ddtree.plugin.v2.pipeline import TreePPHandler
+
+    class Handler:  # vLLM's handler where no request needs the step's outputs
+        def __init__(self, sampled_tokens_broadcast=None):
+            self.calls, self.queue = [], [None]
+            if sampled_tokens_broadcast is not None:  # 0.33 has the attribute
+                self.sampled_tokens_broadcast = sampled_tokens_broadcast
+
+        def receive(self, input_batch, *args, **kwargs):
+            self.calls.append(("receive", args, kwargs))
+            return False
+
+        def broadcast_drafts(self, draft_tokens, *args, **kwargs):
+            self.calls.append(("broadcast_drafts", args, kwargs))
+
+        def get_prev_sampled_outputs(self, *args, **kwargs):
+            self.calls.append(("get_prev_sampled_outputs", args, kwargs))
+
+    batch = types.SimpleNamespace(num_reqs=0)
+    step = types.SimpleNamespace(input_batch=batch)
+    old = Handler()
+    wrapped = TreePPHandler(old, step)
+    wrapped.receive(batch)
+    wrapped.get_prev_sampled_outputs("drafts")
+    assert [c[0] for c in old.calls] == ["receive", "get_prev_sampled_outputs"]
+    assert old.calls[1][1] == ("drafts",)
+    new = Handler(sampled_tokens_broadcast=False)
+    wrapped = TreePPHandler(new, step)
+    wrapped.receive(batch, recv_drafts=True)
+    wrapped.broadcast_drafts("drafts")
+    wrapped.get_prev_sampled_outputs()
+    assert new.calls == [("receive", (), {"recv_drafts": True}), ("broadcast_drafts", (), {}),
+                         ("get_prev_sampled_outputs", (), {})]
+    assert wrapped.queue is new.queue  # everything else is the handler's

@@ -67,12 +67,12 @@ class TreePPHandler:
             torch.distributed.broadcast(tensor, src=handler.last_rank,
                                         group=handler.broadcast_group)
 
-    def broadcast_drafts(self, draft_tokens: torch.Tensor, *args) -> None:
+    def broadcast_drafts(self, draft_tokens: torch.Tensor, *args, **kwargs) -> None:
         """The last stage: vLLM's drafts, then, where they were sent, the trees of the step's
         batch. (0.32 passes the batch and sends when a request needs the step's outputs;
         0.33 sends when it sent the step's sampled tokens.)"""
         handler = self.handler
-        handler.broadcast_drafts(draft_tokens, *args)
+        handler.broadcast_drafts(draft_tokens, *args, **kwargs)
         batch = self.step.input_batch
         sent = getattr(handler, "sampled_tokens_broadcast", None)  # 0.33
         if sent is None:
@@ -86,12 +86,12 @@ class TreePPHandler:
             slots.record_stream(handler.broadcast_stream)
             self._broadcast((trees.nodes[slots].contiguous(), trees.mask[slots].contiguous()))
 
-    def receive(self, input_batch, *args) -> bool:
+    def receive(self, input_batch, *args, **kwargs) -> bool:
         """A stage before the last: vLLM's receive, then the trees where drafts came (after
         them, as they were sent), and what the step's verify needs to move this stage's K/V
         later."""
         handler = self.handler
-        all_decode_next = handler.receive(input_batch, *args)
+        all_decode_next = handler.receive(input_batch, *args, **kwargs)
         pending = handler.queue[-1]
         if pending is None:  # nothing was broadcast for this step
             return all_decode_next
@@ -113,12 +113,12 @@ class TreePPHandler:
         pending.ddtree = _Received(event, nodes, mask, verify, slot_mappings)
         return all_decode_next
 
-    def get_prev_sampled_outputs(self, *args):
+    def get_prev_sampled_outputs(self, *args, **kwargs):
         """A stage before the last, ``pp_size`` steps later: vLLM's update, then the trees
         drafted in that step into this stage's slots, and that step's verify's K/V moves."""
         handler = self.handler
         pending = handler.queue[0] if handler.queue else None
-        outputs = handler.get_prev_sampled_outputs(*args)
+        outputs = handler.get_prev_sampled_outputs(*args, **kwargs)
         received = getattr(pending, "ddtree", None)
         if received is None:
             return outputs
