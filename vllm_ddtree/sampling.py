@@ -453,11 +453,17 @@ def seed_keys_of(seeds: torch.Tensor) -> torch.Tensor:
 DRAFT_STREAM, ETA_STREAM, RESIDUAL_STREAM = 0x5EED0001, 0x5EED0002, 0x5EED0003
 
 
+def _position_keys(seed_keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``mix32(seed_key ^ position)`` of each request: the key of its target noise at that
+    position (:func:`keyed_exponential`), on ``positions``' device."""
+    return mix32((seed_keys.to(positions.device) ^ (positions.long() & _M32)) & _M32)
+
+
 def stream_keys(seed_keys: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
     """The 32-bit key of the noise of ``stream`` (one of ``*_STREAM``) at ``positions``, of the
     requests with ``seed_keys``: apart from :func:`keyed_exponential`'s, and from each
     other's."""
-    return mix32(mix32((seed_keys ^ (positions.long() & _M32)) & _M32) ^ stream)
+    return mix32(_position_keys(seed_keys, positions) ^ stream)
 
 
 def keyed_uniform(keys: torch.Tensor, width: int) -> torch.Tensor:
@@ -480,9 +486,7 @@ def keyed_exponential(seed_keys: torch.Tensor, positions: torch.Tensor, vocab: i
     the order of draws: whatever rows a step verifies (tree, chain, none), the token emitted
     at a position of a seeded request is drawn with that position's noise.
     """
-    device = positions.device
-    key = mix32((seed_keys.to(device) ^ (positions.long() & _M32)) & _M32)
-    return (-keyed_uniform(key, vocab).log()).float()
+    return (-keyed_uniform(_position_keys(seed_keys, positions), vocab).log()).float()
 
 
 def processed_probs_of_rows(logits: torch.Tensor, index: torch.Tensor, rows: RowSampling,
